@@ -1,0 +1,52 @@
+"""rankwatch.agent: the per-rank agent.
+
+Attached automatically by ``rankwatch run`` (no code change). The explicit API
+is for what cannot be seen from outside:
+
+    import rankwatch.agent as rw
+    rw.observe(loss=loss)        # the loss as the script defines it
+
+and for launchers other than ``rankwatch run`` (Ray Train workers):
+
+    rw.attach()                  # reads RANKWATCH_* and torch's RANK/WORLD_SIZE env
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from .runtime import Agent, current
+
+__all__ = ["Agent", "attach", "current", "observe"]
+
+
+def attach() -> Optional[Agent]:
+    """Attach the agent to this process if it is not attached yet."""
+    agent = current()
+    if agent is not None:
+        return agent
+    try:
+        agent = Agent.from_env()
+        agent.install()
+        return agent
+    except Exception as exc:
+        from .safety import log
+
+        log(f"agent not attached: {type(exc).__name__}: {exc}")
+        return None
+
+
+def observe(loss: Any = None, **metrics: Any) -> None:
+    """Report this step's loss (a float or a 0-d tensor). Never raises."""
+    agent = current()
+    if agent is None or loss is None:
+        return
+    try:
+        if hasattr(loss, "detach"):
+            if loss.device.type != "cpu":
+                agent.progress._loss = loss.detach()  # read later without a sync
+                return
+            loss = float(loss.detach())
+        agent.progress.observe_loss(float(loss))
+    except Exception:
+        pass

@@ -1,0 +1,155 @@
+"""Diagnostic bundles from inside a rank: stacks, collectives, metrics,
+redacted environment, memory; uploaded to the collector, or spooled to the
+run dir when the collector cannot be reached."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+from rankwatch import __version__, wire
+from rankwatch.bundles import pack
+from rankwatch.redact import redact_env, redact_obj
+
+from .safety import log
+from .stacks import python_stacks
+from .transport import CollectorUnreachable
+
+if TYPE_CHECKING:
+    from .runtime import Agent
+
+
+def memory_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"rss_bytes": _rss_bytes(), "host_available_bytes": _host_available()}
+    try:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            device = torch.cuda.current_device()
+            state["cuda"] = {
+                "device": device,
+                "allocated_bytes": torch.cuda.memory_allocated(device),
+                "reserved_bytes": torch.cuda.memory_reserved(device),
+                "peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
+                "summary": torch.cuda.memory_summary(device, abbreviated=True),
+            }
+    except Exception as exc:
+        state["cuda_error"] = f"{type(exc).__name__}: {exc}"
+    return state
+
+
+def _rss_bytes() -> Optional[int]:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except Exception:
+        return None
+
+
+def _host_available() -> Optional[int]:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except Exception:
+        return None
+    return None
+
+
+def build(agent: "Agent", reason: str, incident: str, exception: Optional[dict] = None,
+          extra_members: Optional[dict[str, Any]] = None) -> bytes:
+    import torch
+
+    ident = agent.identity
+    progress = agent.progress
+    manifest = wire.BundleManifest(
+        run_id=ident.run_id,
+        rank=ident.rank,
+        local_rank=ident.local_rank,
+        world_size=ident.world_size,
+        host=ident.host or socket.gethostname(),
+        pid=os.getpid(),
+        step=progress.step,
+        created_at=time.time(),
+        reason=reason,
+        incident=incident,
+        source="agent",
+        torch_version=torch.__version__,
+        rankwatch_version=__version__,
+        python_version=platform.python_version(),
+        node_rank=ident.node_rank,
+        attempt=ident.attempt,
+    )
+    fr_dump, fr_error = agent.collectives.full_dump()
+    if fr_error:
+        manifest.notes.append(fr_error)
+    members: dict[str, Any] = {
+        "stacks.json": python_stacks(),
+        "collectives.json": {
+            "python_calls": list(agent.collectives.calls),
+            "pg_status": agent.collectives.pg_status(),
+            "flight_recorder": fr_dump is not None,
+        },
+        "flight_recorder.json": fr_dump,
+        "metrics.json": {
+            "steps": [wire.to_dict(s) for s in progress.recent],
+            "marks": [wire.to_dict(m) for m in progress.marks],
+            "progress": {
+                "step": progress.step,
+                "forwards": progress.forwards,
+                "phase": progress.phase,
+                "phase_since": progress.phase_since,
+                "last_progress_at": progress.last_progress_at,
+                "started_at": progress.started_at,
+            },
+            "events": [wire.to_dict(e) for e in agent.events_log],
+        },
+        "env.json": redact_env(dict(os.environ)),
+        "memory.json": memory_state(),
+        "exception.json": redact_obj(exception) if exception else None,
+        "runtime.json": {"argv": redact_obj(list(sys.argv)), "python": sys.version, "executable": sys.executable},
+    }
+    for name, content in (extra_members or {}).items():
+        members[name] = content
+    return pack(manifest, members)
+
+
+def deliver(agent: "Agent", archive: bytes, incident: str, timeout: float = 5.0) -> str:
+    """Upload to the collector; on failure keep it in the run dir's spool.
+    Returns where it went."""
+    ident = agent.identity
+    if agent.transport.configured:
+        try:
+            agent.transport.post(
+                "/v1/bundles",
+                archive,
+                content_type="application/gzip",
+                headers={"X-Rankwatch-Run": ident.run_id, "X-Rankwatch-Rank": str(ident.rank),
+                         "X-Rankwatch-Incident": incident},
+                timeout=timeout,
+            )
+            return "collector"
+        except CollectorUnreachable:
+            pass
+    path = spool_path(agent.run_dir, incident, ident.rank)
+    if path is None:
+        log("bundle could not be delivered: no collector and no run dir")
+        return "lost"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(archive)
+    tmp.replace(path)
+    return str(path)
+
+
+def spool_path(run_dir: Optional[str], incident: str, rank: int) -> Optional[Path]:
+    if not run_dir:
+        return None
+    safe_incident = "".join(c for c in incident if c.isalnum() or c in "-_") or "incident"
+    return Path(run_dir) / "spool" / safe_incident / f"rank-{rank:05d}.tar.gz"

@@ -1,0 +1,301 @@
+"""The per-rank agent: attaches to torch, beats, answers the collector.
+
+One `Agent` per worker process. `Agent.install()` is called by the bootstrap
+before the user's script runs; it patches nothing the user can see the effect
+of: it wraps ``init_process_group`` and ``DistributedDataParallel.__init__`` to
+learn when the process group and the model appear, registers torch's global
+optimizer hooks, and starts the heartbeat thread.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import functools
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+from rankwatch import config as config_mod
+from rankwatch import wire
+
+from . import bundle as bundle_mod
+from .collectives import CollectiveTracker
+from .progress import Progress
+from .safety import guarded, log
+from .stacks import format_exception
+from .transport import CollectorUnreachable, Transport
+
+FAULTHANDLER_SIGNAL = signal.SIGUSR2
+
+_current: Optional["Agent"] = None
+
+
+def current() -> Optional["Agent"]:
+    return _current
+
+
+def identity_from_env(env=os.environ) -> wire.RankIdentity:
+    def as_int(name: str, default: int) -> int:
+        try:
+            return int(env.get(name, default))
+        except ValueError:
+            return default
+
+    return wire.RankIdentity(
+        run_id=env.get("RANKWATCH_RUN_ID") or env.get("TORCHELASTIC_RUN_ID") or "local",
+        rank=as_int("RANK", 0),
+        local_rank=as_int("LOCAL_RANK", 0),
+        world_size=as_int("WORLD_SIZE", 1),
+        node_rank=as_int("GROUP_RANK", 0),
+        host=env.get("RANKWATCH_HOST") or socket.gethostname(),
+        pid=os.getpid(),
+        attempt=as_int("TORCHELASTIC_RESTART_COUNT", 0),
+    )
+
+
+class Agent:
+    def __init__(self, config: config_mod.Config, identity: wire.RankIdentity, collector_url: Optional[str]):
+        self.config = config
+        self.identity = identity
+        self.run_dir = config.run_dir
+        self.progress = Progress(window=config.metrics_window, mark_every=config.collective_mark_every)
+        self.collectives = CollectiveTracker()
+        self.transport = Transport(collector_url, token=config.token)
+        self.events_log: list[wire.Event] = []
+        self._unsent_events: list[wire.Event] = []
+        self._unsent_fingerprints: list[dict[str, Any]] = []
+        self._heartbeat_seq = 0
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._dumped_incidents: set[str] = set()
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._faulthandler_file = None
+        self.ddp_modules: list[Any] = []
+        self.extensions: list[Any] = []  # parts attached per DDP model (gradient checks, ...)
+
+    # -- lifecycle ---------------------------------------------------------------
+    @classmethod
+    def from_env(cls) -> "Agent":
+        config = config_mod.load(env=os.environ)
+        return cls(config, identity_from_env(), os.environ.get("RANKWATCH_COLLECTOR_URL"))
+
+    def install(self) -> None:
+        global _current
+        _current = self
+        self.progress.read_collective_seqs = self.collectives.enqueued_seqs
+        self._install_faulthandler()
+        self._install_torch_hooks()
+        self._thread = threading.Thread(target=self._heartbeat_loop, name="rankwatch-heartbeat", daemon=True)
+        self._thread.start()
+
+    @guarded("agent.faulthandler")
+    def _install_faulthandler(self) -> None:
+        # The supervisor sends this signal to a rank whose heartbeat stopped:
+        # faulthandler prints every thread's stack even while the GIL is held.
+        if not self.run_dir:
+            return
+        path = Path(self.run_dir) / "stacks" / f"rank-{self.identity.rank:05d}.faulthandler.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._faulthandler_file = open(path, "w")
+        faulthandler.register(FAULTHANDLER_SIGNAL, file=self._faulthandler_file, all_threads=True, chain=False)
+
+    def _install_torch_hooks(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        register_optimizer_step_pre_hook(self.progress.on_optimizer_pre)
+        register_optimizer_step_post_hook(self.progress.on_optimizer_post)
+
+        if dist.is_available():
+            self.collectives.install()
+            self._wrap_init_process_group()
+
+        progress = self.progress
+        original_backward = torch.Tensor.backward
+
+        @functools.wraps(original_backward)
+        def backward(tensor, *args, **kwargs):
+            progress.on_backward(tensor)
+            return original_backward(tensor, *args, **kwargs)
+
+        torch.Tensor.backward = backward
+
+        from torch.nn.parallel import DistributedDataParallel
+
+        original_init = DistributedDataParallel.__init__
+        agent = self
+
+        @functools.wraps(original_init)
+        def ddp_init(module, *args, **kwargs):
+            original_init(module, *args, **kwargs)
+            agent.on_ddp_created(module)
+
+        DistributedDataParallel.__init__ = ddp_init
+
+    def _wrap_init_process_group(self) -> None:
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        original = c10d.init_process_group
+        progress = self.progress
+
+        @functools.wraps(original)
+        def init_process_group(*args, **kwargs):
+            progress.set_phase("init_process_group")
+            result = original(*args, **kwargs)
+            progress.set_phase("setup")
+            return result
+
+        c10d.init_process_group = init_process_group
+        if dist.init_process_group is original:
+            dist.init_process_group = init_process_group
+
+    @guarded("agent.ddp")
+    def on_ddp_created(self, ddp) -> None:
+        self.ddp_modules.append(ddp)
+        ddp.register_forward_pre_hook(self.progress.on_forward)
+        self.progress.set_phase("setup")
+        for factory in _DDP_EXTENSIONS:
+            ext = factory(self, ddp)
+            if ext is not None:
+                self.extensions.append(ext)
+
+    # -- events --------------------------------------------------------------------
+    def record_event(self, kind: str, **details: Any) -> wire.Event:
+        event = wire.Event(kind=kind, at=time.time(), step=self.progress.step, details=details)
+        with self._lock:
+            self.events_log.append(event)
+            self._unsent_events.append(event)
+        return event
+
+    def add_fingerprint(self, fingerprint: dict[str, Any]) -> None:
+        with self._lock:
+            self._unsent_fingerprints.append(fingerprint)
+            del self._unsent_fingerprints[:-64]
+
+    def on_exception(self, exc: BaseException) -> None:
+        """The user's script raised: record it (as torchelastic's @record does),
+        send a crash bundle, then let the exception continue."""
+        try:
+            info = format_exception(exc)
+            self.record_event("exception", type=info["type"], message=info["message"],
+                              traceback=info["traceback"][-8000:], phase=self.progress.phase)
+            self._write_torchelastic_error_file(exc)
+            incident = f"crash-r{self.identity.rank}-{uuid.uuid4().hex[:8]}"
+            self.send_heartbeat(final=False)
+            archive = bundle_mod.build(self, "crash", incident, exception=info)
+            bundle_mod.deliver(self, archive, incident, timeout=3.0)
+        except Exception as inner:
+            log(f"could not record the exception: {type(inner).__name__}: {inner}")
+
+    @staticmethod
+    def _write_torchelastic_error_file(exc: BaseException) -> None:
+        if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            return
+        try:
+            from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+            ErrorHandler().record_exception(exc)
+        except Exception:
+            pass
+
+    def shutdown(self, exit_code: int) -> None:
+        try:
+            self.record_event("exit", exit_code=exit_code, phase=self.progress.phase)
+            self.progress.set_phase("exited")
+            self._stop.set()
+            self.send_heartbeat(final=True)
+        except Exception:
+            pass
+
+    # -- heartbeat -----------------------------------------------------------------
+    def _heartbeat_loop(self) -> None:
+        interval = self.config.heartbeat_interval
+        while not self._stop.wait(interval):
+            try:
+                self.send_heartbeat()
+            except Exception as exc:  # the thread must survive anything
+                log(f"heartbeat error: {type(exc).__name__}: {exc}")
+
+    def make_heartbeat(self) -> wire.Heartbeat:
+        progress = self.progress
+        steps, marks = progress.take_unsent()
+        with self._lock:
+            events, self._unsent_events = self._unsent_events, []
+            fingerprints, self._unsent_fingerprints = self._unsent_fingerprints, []
+        status = self.collectives.pg_status()
+        self._heartbeat_seq += 1
+        return wire.Heartbeat(
+            identity=self.identity,
+            sent_at=time.time(),
+            seq=self._heartbeat_seq,
+            step=progress.step,
+            forwards=progress.forwards,
+            phase=progress.phase,
+            phase_since=progress.phase_since,
+            last_progress_at=progress.last_progress_at,
+            collectives_enqueued={pg: st["enqueued"] for pg, st in status.items()},
+            collectives_completed={pg: st["completed"] for pg, st in status.items()},
+            steps=steps,
+            marks=marks,
+            events=events,
+            fingerprints=fingerprints,
+        )
+
+    def send_heartbeat(self, final: bool = False) -> None:
+        if not self.transport.configured:
+            return
+        if not final and not self.transport.available():
+            return
+        with self._send_lock:
+            heartbeat = self.make_heartbeat()
+            try:
+                reply = self.transport.post("/v1/heartbeat", wire.dumps(heartbeat), timeout=2.0)
+            except CollectorUnreachable:
+                self.progress.give_back(heartbeat.steps, heartbeat.marks)
+                with self._lock:
+                    self._unsent_events[:0] = heartbeat.events
+                    self._unsent_fingerprints[:0] = heartbeat.fingerprints
+                return
+        if not final:
+            self._handle_reply(reply)
+
+    def _handle_reply(self, raw: Any) -> None:
+        try:
+            reply = wire.decode(wire.Reply, raw)
+        except wire.WireError as exc:
+            log(f"ignoring a malformed reply from the collector: {exc}")
+            return
+        for command in reply.commands:
+            if command.kind == "dump" and command.incident not in self._dumped_incidents:
+                self._dumped_incidents.add(command.incident)
+                threading.Thread(target=self._dump, args=(command,), name="rankwatch-dump", daemon=True).start()
+            elif command.kind == "action":
+                for ext in self.extensions:
+                    handler = getattr(ext, "on_command", None)
+                    if handler:
+                        handler(command)
+
+    def _dump(self, command: wire.Command) -> None:
+        try:
+            archive = bundle_mod.build(self, command.reason or "request", command.incident)
+            bundle_mod.deliver(self, archive, command.incident)
+        except Exception as exc:
+            log(f"bundle for {command.incident} failed: {type(exc).__name__}: {exc}")
+
+
+# Factories called with (agent, ddp) for every DDP model; registered by the
+# optional parts (gradient checks, fingerprints) so the runtime stays small.
+_DDP_EXTENSIONS: list = []
+
+
+def register_ddp_extension(factory) -> None:
+    _DDP_EXTENSIONS.append(factory)

@@ -1,0 +1,58 @@
+"""The collector's analyses: one module per verdict kind.
+
+Each module exposes ``detect(run, now, final) -> list[Verdict]``, a pure
+function of the `RunState`; the live collector calls it every tick, and
+``rankwatch analyze`` calls the same function on a state rebuilt from disk.
+`run_all` then keeps root causes and drops their consequences.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+
+from rankwatch import wire
+
+from ..state import RunState
+from . import collective_mismatch, crash, hang
+
+# Order matters only for reading: root causes first.
+ANALYSES = [
+    collective_mismatch,
+    hang,
+    crash,
+]
+
+
+def register(module) -> None:
+    """Add an analysis module (used by the optional numerical/memory analyses)."""
+    if module not in ANALYSES:
+        ANALYSES.append(module)
+
+
+def run_all(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
+    found: list[wire.Verdict] = []
+    for module in ANALYSES:
+        found.extend(module.detect(run, now, final))
+    return explain_away(found)
+
+
+def _t(text: str) -> float:
+    return _dt.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def explain_away(verdicts: list[wire.Verdict]) -> list[wire.Verdict]:
+    """A collective mismatch makes the ranks hang or abort ("size doesn't
+    match", "Connection closed by peer"): those are its consequences, not
+    separate faults."""
+    mismatches = [v for v in verdicts if v.kind == "collective_mismatch"]
+    if not mismatches:
+        return verdicts
+    first = min(_t(v.first_seen_at) for v in mismatches)
+    kept = []
+    for v in verdicts:
+        if v.kind == "crash" and _t(v.first_seen_at) >= first - 1.0:
+            continue
+        if v.kind == "hang" and _t(v.detected_at) >= first:
+            continue
+        kept.append(v)
+    return kept

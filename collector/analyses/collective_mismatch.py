@@ -1,0 +1,189 @@
+"""`collective_mismatch`: ranks issued different collectives at the same
+sequence number.
+
+Two sources, both from torch's own records:
+- collective marks: each rank's last enqueued sequence number per process
+  group at the end of marked steps. An extra (or missing) collective on one
+  rank shows as a different count at the same step, even when gloo pairs the
+  calls off silently (same op and size).
+- Flight Recorder entries from bundles, aligned by (process group, sequence
+  number): op / sizes / dtypes compared, and the call site (Python call site
+  vs DDP's internal allreduce) for same-shape extras.
+The culprits are the ranks that differ from the majority; with no majority
+(two ranks), the rank whose call departs from the run's own history.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Optional
+
+from rankwatch import wire
+
+from ..evidence import CollectiveEntry, RankEvidence
+from ..state import RunState
+from .common import majority, ranks_text, verdict
+
+
+def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
+    by_entries = _from_flight_recorder(run, now)
+    if by_entries is not None:
+        return [by_entries]
+    by_marks = _from_marks(run, now)
+    return [by_marks] if by_marks is not None else []
+
+
+# -- Flight Recorder entries -------------------------------------------------
+
+
+def _latest_evidence(run: RunState) -> dict[int, RankEvidence]:
+    """Per rank, the evidence with the most collectives (latest wins ties)."""
+    best: dict[int, RankEvidence] = {}
+    for state in run.ranks.values():
+        for ev in state.evidence.values():
+            if not ev.collectives:
+                continue
+            cur = best.get(state.rank)
+            if cur is None or (ev.collectives[-1].seq, ev.created_at) > (cur.collectives[-1].seq, cur.created_at):
+                best[state.rank] = ev
+    return best
+
+
+def _from_flight_recorder(run: RunState, now: float) -> Optional[wire.Verdict]:
+    evidence = _latest_evidence(run)
+    if len(evidence) < 2:
+        return None
+    tables: dict[int, dict[tuple[str, int], CollectiveEntry]] = {
+        r: {(e.pg, e.seq): e for e in ev.collectives} for r, ev in evidence.items()
+    }
+    keys = sorted({k for t in tables.values() for k in t})
+    for key in keys:
+        present = {r: t[key] for r, t in tables.items() if key in t}
+        if len(present) < 2:
+            continue
+        culprits, how = _odd_ones(present, tables, key)
+        if culprits:
+            return _verdict_from_entries(run, evidence, present, culprits, how, key, now)
+    return None
+
+
+def _odd_ones(present: dict[int, CollectiveEntry], tables, key) -> tuple[list[int], str]:
+    signatures = {r: e.signature for r, e in present.items()}
+    if len(set(signatures.values())) > 1:
+        _, minority = majority(signatures)
+        if minority:
+            return minority, "op/size/dtype"
+        return _novel(present, tables, key, lambda e: e.signature), "op/size/dtype"
+    origins = {r: e.origin for r, e in present.items()}
+    if len(set(origins.values())) > 1:
+        # Same shape, different issuer: an extra Python-API collective paired
+        # off with DDP's gradient allreduce. Flag it only when the odd call
+        # site never appears on the other ranks while the usual one does
+        # appear on the odd rank (a rank-dependent but legal branch does not).
+        _, minority = majority(origins)
+        candidates = minority or _novel(present, tables, key, lambda e: e.origin)
+        confirmed = []
+        for r in candidates:
+            odd_site = present[r].origin
+            usual = {present[o].origin for o in present if o not in candidates}
+            seen_elsewhere = any(
+                e.origin == odd_site for o, t in tables.items() if o not in candidates for e in t.values()
+            )
+            usual_seen_here = any(e.origin in usual for e in tables[r].values())
+            if not seen_elsewhere and usual_seen_here:
+                confirmed.append(r)
+        return confirmed, "call site"
+    return [], ""
+
+
+def _novel(present: dict[int, CollectiveEntry], tables, key, attribute) -> list[int]:
+    """No majority (two ranks): the rank whose call at ``key`` was never issued
+    before on any rank, while the other ranks' calls were."""
+    pg, seq = key
+    history: Counter = Counter()
+    for table in tables.values():
+        for (epg, eseq), entry in table.items():
+            if epg == pg and eseq < seq:
+                history[attribute(entry)] += 1
+    novel = [r for r, e in present.items() if history[attribute(e)] == 0]
+    if novel and len(novel) < len(present):
+        return sorted(novel)
+    return []
+
+
+def _verdict_from_entries(run, evidence, present, culprits, how, key, now) -> wire.Verdict:
+    pg, seq = key
+    odd = present[culprits[0]]
+    others = [r for r in present if r not in culprits]
+    usual = present[others[0]] if others else None
+    step = odd.step
+    summary = (
+        f"{ranks_text(culprits).capitalize()} issued {odd.shape_text}"
+        + (f" from {odd.origin}" if odd.origin != "internal" else "")
+        + f" as collective #{seq} of process group {pg}, where "
+        + (f"{ranks_text(others)} issued {usual.shape_text}"
+           + (" (DDP gradient allreduce)" if usual.origin == "internal" else f" from {usual.origin}")
+           if usual else "the others issued something else")
+        + f"; the ranks' collectives no longer pair up (mismatch by {how})."
+    )
+    first_seen = odd.created_ns / 1e9 if odd.created_ns else now
+    ev = {
+        "process_group": pg,
+        "sequence": seq,
+        "mismatch_by": how,
+        "calls": {
+            str(r): {"op": e.op, "input_sizes": e.input_sizes, "input_dtypes": e.input_dtypes,
+                     "origin": e.origin, "step": e.step}
+            for r, e in sorted(present.items())
+        },
+        "bundles": {str(r): ev.bundle_path for r, ev in evidence.items() if ev.bundle_path},
+    }
+    return verdict("collective_mismatch", culprits, step, first_seen, now, summary, ev)
+
+
+# -- collective marks ------------------------------------------------------------
+
+
+def _from_marks(run: RunState, now: float) -> Optional[wire.Verdict]:
+    steps = sorted({s for st in run.ranks.values() for s in st.marks})
+    previous: dict[int, dict[str, int]] = {}
+    for step in steps:
+        marks = {r: st.marks[step] for r, st in run.ranks.items() if step in st.marks}
+        if len(marks) < 2:
+            continue
+        pgs = sorted({pg for m in marks.values() for pg in m})
+        for pg in pgs:
+            counts = {r: m[pg] for r, m in marks.items() if pg in m}
+            if len(counts) < 2 or len(set(counts.values())) == 1:
+                continue
+            _, culprits = majority(counts)
+            if not culprits:
+                # Two ranks: the rank whose collectives per step changed.
+                culprits = _changed_rate(counts, previous, pg)
+            if not culprits:
+                continue
+            summary = (
+                f"{ranks_text(culprits).capitalize()} had issued a different number of collectives "
+                f"by the end of step {step} in process group {pg} "
+                f"({', '.join(f'rank {r}: #{c}' for r, c in sorted(counts.items()))}): "
+                f"an extra or missing collective; later collectives pair with the wrong partner."
+            )
+            first = max((run.ranks[r].steps[step].ended_at for r in counts if step in run.ranks[r].steps),
+                        default=now)
+            ev = {"process_group": pg, "step_end_sequence": {str(r): c for r, c in sorted(counts.items())},
+                  "previous_agreement": {str(r): previous.get(r, {}).get(pg) for r in counts}}
+            return verdict("collective_mismatch", culprits, step, first, now, summary, ev)
+        previous.update(marks)
+    return None
+
+
+def _changed_rate(counts: dict[int, int], previous: dict[int, dict[str, int]], pg: str) -> list[int]:
+    base = {r: previous.get(r, {}).get(pg) for r in counts}
+    if any(v is None for v in base.values()) or len(set(base.values())) != 1:
+        return []
+    deltas = {r: counts[r] - base[r] for r in counts}
+    # All ranks agreed before; the rank with more collectives since then made the extra call.
+    top = max(deltas.values())
+    if list(deltas.values()).count(top) == 1:
+        return [r for r, d in deltas.items() if d == top]
+    return []

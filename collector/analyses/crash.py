@@ -1,0 +1,144 @@
+"""`crash`: a rank exited abnormally. The culprit is the first failure that was
+not caused by a peer's failure.
+
+When one rank dies, its peers fail too ("Connection closed by peer", timeouts,
+NCCL aborts) and torchrun then terminates the rest with SIGTERM; torchrun's
+"Root Cause" is simply the earliest timestamp, which is often such a victim.
+Here every failure is classified by its cause before ordering them.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from dataclasses import dataclass
+from typing import Optional
+
+from rankwatch import wire
+
+from ..state import RankState, RunState
+from .common import ranks_text, verdict
+
+# Failures that are the consequence of a peer's failure (or of a collective
+# mismatch, which collective_mismatch explains).
+PEER_FAILURE = re.compile(
+    r"connection closed by peer|connection reset by peer|broken pipe|ECONNRESET|EPIPE|"
+    r"timed out|timeout|socket timeout|connection refused|read error|"
+    r"communicator was aborted|remote process exited|network error|"
+    r"NCCL.*(abort|remote)|ProcessGroupNCCL.*watchdog|peer .* (closed|died|exited)|"
+    r"Unexpected end of stream|unbound buffer|Application timeout caused pair closure|"
+    r"TCPStore|recvValue|recvBytes|sendBytes",
+    re.IGNORECASE,
+)
+COLLECTIVE_ERROR = re.compile(
+    r"size doesn't match|size does not match|preamble|expected size|mismatch",
+    re.IGNORECASE,
+)
+# Signals torchrun (or the user stopping the job) sends to tear workers down.
+TEARDOWN_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT}
+SETTLE_SECONDS = 3.0  # peers' failures arrive within this window after the cause
+SAME_CAUSE_WINDOW = 2.0  # independent failures this close together are all culprits
+
+
+@dataclass
+class Failure:
+    rank: int
+    at: float
+    cause: str  # exception type + message, or the signal
+    kind: str  # "exception", "signal", "exit"
+    peer_caused: bool
+    collective_error: bool
+    exit_code: Optional[int]
+    step: Optional[int]
+    traceback: str = ""
+    phase: str = ""
+
+
+def failure_of(state: RankState) -> Optional[Failure]:
+    exc = state.exception_event()
+    if exc is not None:
+        message = str(exc.details.get("message", ""))
+        etype = str(exc.details.get("type", "Exception"))
+        text = f"{etype}: {message}"
+        at = exc.at
+        if state.exited_at is not None:
+            at = min(at, state.exited_at)
+        return Failure(
+            rank=state.rank, at=at, cause=text[:500], kind="exception",
+            peer_caused=bool(PEER_FAILURE.search(text)) and not _is_mismatch(text),
+            collective_error=_is_mismatch(text), exit_code=state.exit_code if state.exit_code is not None else 1,
+            step=exc.step, traceback=str(exc.details.get("traceback", ""))[-3000:],
+            phase=str(exc.details.get("phase", "")),
+        )
+    code = state.exit_code
+    if code is None or code == 0 or state.killed_by_rankwatch:
+        return None
+    at = state.exited_at or state.last_heartbeat_at
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return Failure(rank=state.rank, at=at, cause=f"killed by {name} (exit code {code})", kind="signal",
+                       peer_caused=False, collective_error=False, exit_code=code, step=state.step,
+                       phase=state.phase)
+    return Failure(rank=state.rank, at=at, cause=f"exited with status {code} without a Python exception",
+                   kind="exit", peer_caused=False, collective_error=False, exit_code=code, step=state.step,
+                   phase=state.phase)
+
+
+def _is_mismatch(text: str) -> bool:
+    return bool(COLLECTIVE_ERROR.search(text))
+
+
+def failures(run: RunState) -> list[Failure]:
+    out = [f for f in (failure_of(s) for s in run.ranks.values()) if f is not None]
+    out.sort(key=lambda f: f.at)
+    if not out:
+        return out
+    # Teardown signals after another failure are torchrun stopping the job.
+    first = out[0].at
+    for failure in out:
+        if failure.kind == "signal" and failure.exit_code is not None:
+            sig = -failure.exit_code
+            if sig in TEARDOWN_SIGNALS and (failure.at > first or run.interrupted or run.aborted):
+                failure.peer_caused = True
+    if run.interrupted:
+        for failure in out:
+            if failure.kind == "signal":
+                failure.peer_caused = True
+    return out
+
+
+def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
+    found = failures(run)
+    if not found:
+        return []
+    first_at = found[0].at
+    if not final and now - first_at < SETTLE_SECONDS:
+        return []  # let the peers' failures arrive before naming a cause
+    causes = [f for f in found if not f.peer_caused and not f.collective_error]
+    if not causes:
+        if any(f.collective_error for f in found):
+            return []  # collective_mismatch names the culprit
+        if run.aborted or run.interrupted:
+            return []
+        causes = found[:1]  # every failure looks like a consequence: name the first
+    first = causes[0]
+    culprits = [f for f in causes if f.at - first.at <= SAME_CAUSE_WINDOW]
+    victims = [f for f in found if f not in culprits]
+    summary = f"{ranks_text(f.rank for f in culprits).capitalize()} crashed first: {first.cause}"
+    if first.step is not None:
+        summary += f" (step {first.step}, phase {first.phase or 'unknown'})"
+    summary += "."
+    if victims:
+        summary += f" {len(victims)} other rank(s) failed as a consequence."
+    evidence = {
+        "failures": [
+            {"rank": f.rank, "at": f.at, "cause": f.cause, "kind": f.kind, "exit_code": f.exit_code,
+             "consequence": f.peer_caused, "step": f.step}
+            for f in found
+        ],
+        "traceback": first.traceback,
+    }
+    return [verdict("crash", [f.rank for f in culprits], first.step, first.at, max(now, first.at), summary, evidence)]

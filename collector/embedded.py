@@ -1,0 +1,20 @@
+"""The collector embedded in ``rankwatch run`` (single-node default): the same
+service and HTTP front as the standalone one, bound to loopback, storing into
+the run dir."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rankwatch.config import Config
+
+from .server import CollectorServer
+from .service import Collector
+
+
+def start_embedded(config: Config, run_dir: Path) -> tuple[Collector, CollectorServer]:
+    collector = Collector(config=config, data_dir=run_dir, run_dir_for=lambda _run_id: run_dir)
+    server = CollectorServer(collector, host=config.bind, port=0, token=config.token)
+    collector.start()
+    server.start()
+    return collector, server

@@ -1,0 +1,120 @@
+"""``rankwatch analyze PATH``: the same analyses, offline, from files only.
+
+PATH may be a run dir (index + bundles), a folder of bundles, or one bundle
+archive. Needs neither the network nor torch.distributed.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+from rankwatch import wire
+from rankwatch.bundles import BundleError, read_path
+
+from . import analyses, report as report_mod
+from .state import Incident, RunState
+from .store import Store
+
+
+class AnalyzeError(ValueError):
+    pass
+
+
+def _bundle_files(root: Path) -> list[Path]:
+    if root.is_file():
+        return [root]
+    found = []
+    for path in sorted(root.rglob("*")):
+        if path.is_symlink():
+            continue
+        if path.is_file() and path.name.endswith((".tar.gz", ".tgz")):
+            found.append(path)
+        elif path.is_dir() and (path / "manifest.json").is_file():
+            found.append(path)
+    return found
+
+
+def load(path: Path) -> tuple[RunState, list[str]]:
+    """Rebuild a RunState from PATH; returns it with the problems met on the way."""
+    path = Path(path)
+    if not path.exists():
+        raise AnalyzeError(f"{path} does not exist")
+    problems: list[str] = []
+    run: Optional[RunState] = None
+    index = path / "collector.sqlite" if path.is_dir() else None
+    if index is not None and index.is_file():
+        store = Store(index)
+        try:
+            ids = store.run_ids()
+            if ids:
+                run = store.load_run(ids[-1])
+        finally:
+            store.close()
+    bundles = []
+    for file in _bundle_files(path):
+        try:
+            bundles.append(read_path(file))
+        except (BundleError, OSError) as exc:
+            problems.append(f"{file}: {exc}")
+    if run is None:
+        if not bundles:
+            raise AnalyzeError(f"{path}: no rankwatch index and no readable bundle found"
+                               + (f" ({'; '.join(problems)})" if problems else ""))
+        first = bundles[0].manifest
+        run = RunState(run_id=first.run_id, world_size=max(b.manifest.world_size for b in bundles),
+                       started_at=min(b.manifest.created_at for b in bundles))
+    from .service import merge_bundle
+
+    seen_incidents = {i.id for i in run.incidents}
+    for bundle in bundles:
+        m = bundle.manifest
+        if m.run_id != run.run_id:
+            problems.append(f"{bundle.source_path}: belongs to run {m.run_id}, not {run.run_id}; skipped")
+            continue
+        merge_bundle(run, bundle)
+        if m.reason == "hang" and m.incident and m.incident not in seen_incidents:
+            seen_incidents.add(m.incident)
+            run.incidents.append(_hang_incident_from_bundles(run, m.incident, bundles))
+    run.finished = True
+    return run, problems
+
+
+def _hang_incident_from_bundles(run: RunState, incident: str, bundles) -> Incident:
+    mine = [b for b in bundles if b.manifest.incident == incident]
+    created = min(b.manifest.created_at for b in mine)
+    progress = [float(b.get("metrics.json", {}).get("progress", {}).get("last_progress_at") or 0) for b in mine]
+    last = max([p for p in progress if p] or [created])
+    return Incident(id=incident, kind="hang", opened_at=created, last_progress_at=last, ready=True,
+                    requested_ranks=sorted({b.manifest.rank for b in mine}), details={"diagnosed_at": created})
+
+
+def analyze_path(path: Path) -> wire.Report:
+    run, problems = load(Path(path))
+    verdicts = analyses.run_all(run, time.time(), final=True)
+    previous = _detected_at(Path(path))
+    for v in verdicts:
+        key = (v.kind, ",".join(map(str, v.ranks)))
+        if key in previous:
+            v.detected_at = previous[key]
+    report = report_mod.build(run, verdicts)
+    for problem in problems:
+        import sys
+
+        print(f"[rankwatch] warning: {problem}", file=sys.stderr)
+    return report
+
+
+def _detected_at(path: Path) -> dict[tuple[str, str], str]:
+    """Keep the live detection times when the run dir has them."""
+    report_file = path / "report.json" if path.is_dir() else None
+    if report_file is None or not report_file.is_file():
+        return {}
+    import json
+
+    try:
+        data = json.loads(report_file.read_text())
+        return {(v["kind"], ",".join(map(str, v["ranks"]))): v["detected_at"] for v in data.get("verdicts", [])}
+    except (ValueError, KeyError, TypeError):
+        return {}

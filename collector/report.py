@@ -1,0 +1,36 @@
+"""report.json (CONTRACT.md) and its human summary."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from rankwatch import wire
+
+from .state import RunState
+
+
+def build(run: RunState, verdicts: list[wire.Verdict]) -> wire.Report:
+    world = run.world_size or (max(run.ranks) + 1 if run.ranks else 0)
+    ordered = sorted(verdicts, key=lambda v: (v.first_seen_at, v.kind))
+    return wire.Report(run_id=run.run_id, world_size=world,
+                       status="faulty" if ordered else "healthy", verdicts=ordered)
+
+
+def write(report: wire.Report, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(wire.to_dict(report), indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def text(report: wire.Report) -> str:
+    lines = [f"rankwatch: run {report.run_id} ({report.world_size} ranks): {report.status.upper()}"]
+    if not report.verdicts:
+        lines.append("  no faults found")
+    for v in report.verdicts:
+        ranks = ",".join(map(str, v.ranks)) or "-"
+        step = "-" if v.step is None else str(v.step)
+        lines.append(f"  [{v.kind}] rank(s) {ranks} at step {step}: {v.summary}")
+    return "\n".join(lines)

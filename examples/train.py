@@ -1,0 +1,100 @@
+"""A plain DDP training script (no rankwatch import) with optional faults.
+
+    rankwatch run --nproc-per-node 4 examples/train.py --steps 30
+    rankwatch run --nproc-per-node 4 examples/train.py --fault hang --fault-rank 2 --fault-step 10
+
+Faults are injected the way real bugs happen, on one rank only.
+"""
+
+import argparse
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset
+
+
+class Synthetic(Dataset):
+    def __init__(self, n, dim, seed, hang_at=None):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, dim, generator=g)
+        self.y = torch.randn(n, 1, generator=g)
+        self.hang_at = hang_at
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        if self.hang_at is not None and i == self.hang_at:
+            time.sleep(3600)  # a stuck read inside a DataLoader worker
+        return self.x[i], self.y[i]
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--step-time", type=float, default=0.0, help="extra sleep per step (all ranks)")
+    p.add_argument("--accum", type=int, default=1, help="gradient accumulation micro-batches")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--fault", default="none")
+    p.add_argument("--fault-rank", type=int, default=1)
+    p.add_argument("--fault-step", type=int, default=5)
+    p.add_argument("--fault-size", type=int, default=0)
+    a = p.parse_args()
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(a.seed)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(a.dim, a.hidden), torch.nn.ReLU(),
+                                    torch.nn.Linear(a.hidden, a.hidden), torch.nn.ReLU(),
+                                    torch.nn.Linear(a.hidden, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    is_faulty = rank == a.fault_rank
+    hang_at = None
+    if a.fault == "dataloader_hang" and is_faulty:
+        hang_at = a.fault_step * a.batch * a.accum
+    data = Synthetic(a.batch * a.accum * (a.steps + 1), a.dim, seed=a.seed * 100 + rank, hang_at=hang_at)
+    loader = DataLoader(data, batch_size=a.batch, num_workers=a.workers, shuffle=False)
+    it = iter(loader)
+    for step in range(a.steps):
+        if a.fault == "leave_loop" and is_faulty and step == a.fault_step:
+            dist.barrier()  # leaves the loop early and waits at the end-of-training barrier
+            break
+        opt.zero_grad()
+        for micro in range(a.accum):
+            x, y = next(it)
+            if a.fault == "nan" and is_faulty and step == a.fault_step:
+                x = x.clone()
+                x[0, 0] = float("nan")
+            ctx = model.no_sync() if micro < a.accum - 1 else torch.enable_grad()
+            with ctx:
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                if a.fault == "hang" and is_faulty and step == a.fault_step:
+                    time.sleep(3600)  # stuck in compute before the backward
+                if a.fault == "crash" and is_faulty and step == a.fault_step:
+                    raise RuntimeError("injected failure: bad batch")
+                if a.fault == "sigkill" and is_faulty and step == a.fault_step:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                loss.backward()
+        if a.fault.startswith("extra_") and is_faulty and step == a.fault_step:
+            size = a.fault_size or (8 if a.fault == "extra_small" else 1_000_000)
+            dist.all_reduce(torch.ones(size))  # a collective only this rank issues
+        opt.step()
+        if a.step_time:
+            time.sleep(a.step_time)
+        if rank == 0 and step % 10 == 0:
+            print(f"step {step} loss {loss.item():.4f}", flush=True)
+    if a.fault != "leave_loop":
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

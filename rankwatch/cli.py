@@ -1,0 +1,101 @@
+"""The ``rankwatch`` command.
+
+    rankwatch run [RANKWATCH OPTIONS] [TORCHRUN OPTIONS] SCRIPT [ARGS...]
+    rankwatch analyze PATH [--json]
+    rankwatch collector serve [--host H] [--port P] [--data-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from . import __version__, wire
+
+USAGE = __doc__
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE.strip())
+        return 0 if argv else 2
+    if argv[0] == "--version":
+        print(f"rankwatch {__version__}")
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "run":
+        from .launcher import run
+
+        return run(rest)
+    if command == "analyze":
+        return analyze(rest)
+    if command == "collector":
+        return collector(rest)
+    print(f"rankwatch: unknown command {command!r}\n\n{USAGE.strip()}", file=sys.stderr)
+    return 2
+
+
+def analyze(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="rankwatch analyze",
+                                     description="Rebuild the report of a run from its run dir or bundles.")
+    parser.add_argument("path", help="a run dir, a folder of bundles, or one bundle archive")
+    parser.add_argument("--json", action="store_true", help="print report.json instead of text")
+    args = parser.parse_args(argv)
+    from rankwatch.collector import report as report_mod
+    from rankwatch.collector.offline import AnalyzeError, analyze_path
+
+    try:
+        report = analyze_path(Path(args.path))
+    except AnalyzeError as exc:
+        print(f"rankwatch analyze: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(wire.to_dict(report), indent=2))
+    else:
+        print(report_mod.text(report))
+    return 0
+
+
+def collector(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="rankwatch collector")
+    sub = parser.add_subparsers(dest="action", required=True)
+    serve = sub.add_parser("serve", help="run the standalone collector service")
+    serve.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8765)
+    serve.add_argument("--data-dir", default="./rankwatch-collector", help="index and bundles")
+    serve.add_argument("--config", default=None, help="YAML file with rankwatch settings")
+    serve.add_argument("--hang-timeout", dest="hang_timeout", default=None)
+    serve.add_argument("--on-hang", dest="on_hang", choices=("abort", "wait"), default=None)
+    args = parser.parse_args(argv)
+    from . import config as config_mod
+    from rankwatch.collector import Collector, CollectorServer
+
+    cfg = config_mod.load(flags={"hang_timeout": args.hang_timeout, "on_hang": args.on_hang,
+                                 "bind": args.host}, file=args.config)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    service = Collector(config=cfg, data_dir=Path(args.data_dir))
+    server = CollectorServer(service, host=cfg.bind, port=args.port, token=cfg.token)
+    service.start()
+    server.start()
+    print(f"rankwatch collector listening on {server.url} (data in {args.data_dir})", flush=True)
+    stopping = []
+
+    def stop(signum, frame):
+        stopping.append(signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    while not stopping:
+        signal.pause() if hasattr(signal, "pause") else None
+    server.stop()
+    service.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

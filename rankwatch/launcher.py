@@ -1,0 +1,281 @@
+"""``rankwatch run``: torchrun, watched.
+
+Built on torch's own launcher: the arguments are parsed by torchrun's parser
+(every option, ``PET_*`` env vars included) extended with rankwatch's options,
+and the job is started by ``torch.distributed.run.run``. The only change is the
+worker command: ``python -u -m rankwatch.agent.bootstrap SCRIPT ...`` instead of
+``python -u SCRIPT ...``, which attaches the agent and then runs the script as
+``__main__``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import secrets
+import signal
+import socket
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Optional
+
+from . import config as config_mod
+from . import wire
+
+OUR_OPTIONS = ("run_dir", "collector", "hang_timeout", "on_hang", "config")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog = "rankwatch run"
+    parser.description = "Launch a distributed PyTorch job with torchrun, watched by rankwatch."
+    group = parser.add_argument_group("rankwatch")
+    group.add_argument("--run-dir", dest="run_dir", default=None,
+                       help="where report.json and bundles go (default ./rankwatch-runs/<run-id>)")
+    group.add_argument("--collector", dest="collector", default=None,
+                       help="URL of a standalone collector (default: embedded in this launcher)")
+    group.add_argument("--hang-timeout", dest="hang_timeout", default=None,
+                       help="seconds without progress before a hang verdict (default: adaptive)")
+    group.add_argument("--on-hang", dest="on_hang", choices=("abort", "wait"), default=None,
+                       help="abort (default): capture evidence, then end the job; wait: keep it running")
+    group.add_argument("--config", dest="config", default=None, help="YAML file with rankwatch settings")
+    return parser
+
+
+def make_run_id(args: argparse.Namespace) -> str:
+    env_id = os.environ.get("RANKWATCH_RUN_ID")
+    if env_id:
+        return env_id
+    if args.rdzv_id and args.rdzv_id != "none":
+        return _safe(args.rdzv_id)
+    if not args.standalone and str(args.nnodes) not in ("1", "1:1"):
+        # Every node of a multi-node job must agree on the id: derive it from the rendezvous.
+        endpoint = args.rdzv_endpoint or f"{args.master_addr}:{args.master_port}"
+        return "job-" + hashlib.sha1(endpoint.encode()).hexdigest()[:12]
+    return time.strftime("run-%Y%m%d-%H%M%S-") + secrets.token_hex(3)
+
+
+def _safe(text: str) -> str:
+    cleaned = "".join(c if c.isalnum() or c in "-_." else "-" for c in text)[:128]
+    return cleaned or "run"
+
+
+def worker_environment(run_dir: Path) -> dict[str, str]:
+    """torch settings for evidence, set only where the user has not set them."""
+    fr_dir = run_dir / "flight_recorder"
+    wanted = {
+        # 3 = kill the process on a collective error without aborting the
+        # communicator: keeps Flight Recorder dumps (1 suppresses them).
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+        "TORCH_FR_BUFFER_SIZE": "2000",
+        "TORCH_FR_DUMP_TEMP_FILE": str(fr_dir / "rank_"),
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": str(fr_dir / "pipe_"),
+        "TORCH_NCCL_ENABLE_MONITORING": "1",
+    }
+    aliases = {
+        "TORCH_FR_BUFFER_SIZE": "TORCH_NCCL_TRACE_BUFFER_SIZE",
+        "TORCH_FR_DUMP_TEMP_FILE": "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+    }
+    out = {}
+    for key, value in wanted.items():
+        if key in os.environ or aliases.get(key, "") in os.environ:
+            continue
+        out[key] = value
+    fr_dir.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+@contextlib.contextmanager
+def _bootstrap_entrypoint():
+    """Swap the worker command torchrun builds for our bootstrap."""
+    import torch.distributed.run as torch_run
+
+    original = torch_run.config_from_args
+
+    def config_from_args(args):
+        config, cmd, cmd_args = original(args)
+        if callable(cmd):  # --run-path: a function entrypoint
+            from rankwatch.agent.bootstrap import run_script_path
+
+            return config, run_script_path, cmd_args
+        if args.no_python:
+            sys.stderr.write("[rankwatch] --no-python: the workers are not Python; only the launcher watches them\n")
+            return config, cmd, cmd_args
+        rest = list(cmd_args)
+        if rest and rest[0] == "-u":
+            rest = rest[1:]
+        return config, cmd, ["-u", "-m", "rankwatch.agent.bootstrap", *rest]
+
+    torch_run.config_from_args = config_from_args
+    try:
+        yield
+    finally:
+        torch_run.config_from_args = original
+
+
+class _RemoteCollector:
+    def __init__(self, url: str, token: Optional[str]):
+        self.url = url.rstrip("/")
+        self.token = token
+
+    def post(self, path: str, body: bytes, content_type: str, timeout: float = 5.0) -> Any:
+        request = urllib.request.Request(self.url + path, data=body, method="POST")
+        request.add_header("Content-Type", content_type)
+        if self.token:
+            request.add_header("Authorization", f"Bearer {self.token}")
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read() or b"{}")
+
+
+def run(argv: list[str]) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    flags = {name: getattr(args, name) for name in OUR_OPTIONS}
+    for name in OUR_OPTIONS:
+        delattr(args, name)
+    try:
+        cfg = config_mod.load(flags=flags, env=os.environ, file=flags.get("config"))
+    except config_mod.ConfigError as exc:
+        parser.error(str(exc))
+    if not args.training_script:
+        parser.error("a training script (or -m MODULE) is required")
+
+    run_id = make_run_id(args)
+    run_dir = Path(cfg.run_dir or Path("rankwatch-runs") / run_id).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg.run_dir = str(run_dir)
+
+    embedded = None
+    server = None
+    if cfg.collector:
+        collector_url = cfg.collector
+    else:
+        from rankwatch.collector.embedded import start_embedded
+
+        embedded, server = start_embedded(cfg, run_dir)
+        collector_url = server.url
+    remote = _RemoteCollector(collector_url, cfg.token)
+
+    env = worker_environment(run_dir)
+    env.update(config_mod.to_env(cfg))
+    env.update({"RANKWATCH_RUN_ID": run_id, "RANKWATCH_RUN_DIR": str(run_dir),
+                "RANKWATCH_COLLECTOR_URL": collector_url})
+    os.environ.update(env)
+
+    from .supervisor import NodeSupervisor
+
+    node_rank = int(os.environ.get("GROUP_RANK", getattr(args, "node_rank", 0) or 0))
+    supervisor = NodeSupervisor(run_id=run_id, run_dir=run_dir, post=remote.post, node_rank=node_rank,
+                                world_size=0, on_hang=cfg.on_hang, hang_timeout=cfg.hang_timeout,
+                                host=os.environ.get("RANKWATCH_HOST") or socket.gethostname())
+    supervisor.start()
+    _say(f"run {run_id}: collector {collector_url}{' (embedded)' if embedded else ''}, run dir {run_dir}")
+
+    exit_code = 0
+    interrupted = False
+    exits: dict[int, tuple[int, float]] = {}
+    import torch.distributed.run as torch_run
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        with _bootstrap_entrypoint():
+            torch_run.run(args)
+    except ChildFailedError as exc:
+        exit_code = 1
+        for rank, failure in exc.failures.items():
+            exits[int(rank)] = (int(failure.exitcode), float(failure.timestamp))
+    except SignalException as exc:
+        interrupted = True
+        exit_code = 128 + int(exc.sigval)
+    except KeyboardInterrupt:
+        interrupted = True
+        exit_code = 128 + signal.SIGINT
+    except SystemExit as exc:
+        exit_code = exc.code if isinstance(exc.code, int) else 1
+    except Exception as exc:
+        exit_code = 1
+        _say(f"launch failed: {type(exc).__name__}: {exc}")
+    finally:
+        report = _finish(run_id, run_dir, supervisor, embedded, server, remote, interrupted, exits)
+    if supervisor.aborted and exit_code == 0:
+        exit_code = 1
+    return exit_code
+
+
+def _finish(run_id, run_dir, supervisor, embedded, server, remote, interrupted, exits) -> Optional[wire.Report]:
+    """Always write report.json: collect late bundles, analyse a last time."""
+    from rankwatch.collector import report as report_mod
+
+    report = None
+    try:
+        supervisor.stop()
+        _upload_spool(run_dir, remote)
+        _wait_for_crash_bundles(embedded, run_id)
+        request = wire.FinishRequest(interrupted=interrupted,
+                                     exits={str(r): wire.ExitRecord(exit_code=c, exited_at=t) for r, (c, t) in exits.items()})
+        if embedded is not None:
+            report = embedded.finish(run_id, interrupted=interrupted, exits=exits)
+        else:
+            try:
+                raw = remote.post(f"/v1/runs/{run_id}/finish", wire.dumps(request), "application/json", timeout=30)
+                report = wire.decode(wire.Report, raw)
+            except Exception as exc:
+                _say(f"collector at {remote.url} unreachable at the end ({exc}); analysing the run dir locally")
+                from rankwatch.collector.offline import analyze_path
+
+                report = analyze_path(run_dir)
+    except Exception as exc:
+        _say(f"analysis failed ({type(exc).__name__}: {exc}); writing what is known")
+        report = wire.Report(run_id=run_id, world_size=0, status="healthy", verdicts=[])
+    finally:
+        if report is not None:
+            report_mod.write(report, run_dir / "report.json")
+            print(report_mod.text(report), file=sys.stderr, flush=True)
+            _say(f"report: {run_dir / 'report.json'}")
+        if server is not None:
+            server.stop()
+        if embedded is not None:
+            embedded.stop()
+    return report
+
+
+def _upload_spool(run_dir: Path, remote: _RemoteCollector) -> None:
+    """Bundles that could not be sent during the run (collector down) go now."""
+    spool = run_dir / "spool"
+    if not spool.is_dir():
+        return
+    for path in sorted(spool.glob("*/*.tar.gz")):
+        try:
+            remote.post("/v1/bundles", path.read_bytes(), "application/gzip")
+            path.unlink()
+        except Exception:
+            continue  # stays in the spool; `rankwatch analyze` reads it there
+
+
+def _wait_for_crash_bundles(collector, run_id: str, timeout: float = 3.0) -> None:
+    """A rank that raised sends its bundle on the way out; give it a moment."""
+    if collector is None:
+        return
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        run = collector.runs.get(run_id)
+        if run is None:
+            return
+        pending = [s for s in run.ranks.values()
+                   if s.exception_event() is not None and not any(e.reason == "crash" for e in s.evidence.values())]
+        if not pending:
+            return
+        time.sleep(0.1)
+
+
+def _say(message: str) -> None:
+    print(f"[rankwatch] {message}", file=sys.stderr, flush=True)

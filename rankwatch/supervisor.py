@@ -1,0 +1,305 @@
+"""The node supervisor: runs in the launcher, watches the local ranks from
+outside.
+
+A rank whose Python is frozen (GIL held, stuck in C code) cannot answer its
+collector; a rank killed by a signal cannot report its own death. The
+supervisor sees both: it reads each worker's exit status without reaping it
+(``waitid(WNOWAIT)``, so torchrun still gets it), and on request captures
+stacks from outside with py-spy (``--json``, plus ``--native`` for a rank that
+stopped beating) and faulthandler.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from . import __version__, wire
+from .bundles import pack
+from .redact import redact_text
+
+FAULTHANDLER_SIGNAL = signal.SIGUSR2
+PYSPY_TIMEOUT = 8.0
+
+
+@dataclass
+class Worker:
+    pid: int
+    rank: int
+    local_rank: int
+    world_size: int
+    alive: bool = True
+    exit_code: Optional[int] = None
+    exited_at: Optional[float] = None
+
+
+def _children(parent: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent:
+            out.append(int(entry))
+    return out
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return {}
+    env = {}
+    for item in raw.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep and key in (b"RANK", b"LOCAL_RANK", b"WORLD_SIZE", b"RANKWATCH_RUN_ID"):
+            env[key.decode()] = value.decode(errors="replace")
+    return env
+
+
+def _exit_status(pid: int) -> tuple[bool, Optional[int]]:
+    """(exited, exit code; negative = signal). Does not reap the child."""
+    try:
+        result = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return True, None  # already reaped by torchrun; it reports the code itself
+    except OSError:
+        return True, None
+    if result is None:
+        return False, None
+    if result.si_code == os.CLD_EXITED:
+        return True, result.si_status
+    return True, -result.si_status  # CLD_KILLED / CLD_DUMPED
+
+
+class NodeSupervisor:
+    def __init__(self, run_id: str, run_dir: Path, post: Callable[[str, bytes, str], Any],
+                 node_rank: int, world_size: int, on_hang: str, hang_timeout: Optional[float],
+                 host: Optional[str] = None, interval: float = 0.5):
+        self.run_id = run_id
+        self.run_dir = run_dir
+        self.post = post  # (path, body, content type) -> decoded JSON reply; raises on failure
+        self.node_rank = node_rank
+        self.world_size = world_size
+        self.on_hang = on_hang
+        self.hang_timeout = hang_timeout
+        self.host = host or socket.gethostname()
+        self.interval = interval
+        self.workers: dict[int, Worker] = {}
+        self.aborted = False
+        self._captured: set[str] = set()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._pyspy = shutil.which("py-spy")
+        self._lock = threading.Lock()
+
+    # -- lifecycle ---------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="rankwatch-supervisor", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join(timeout=5)
+        self.poll_workers()
+        self._report(finished=True)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.poll_workers()
+                self._report()
+            except Exception as exc:
+                _log(f"supervisor error: {type(exc).__name__}: {exc}")
+
+    # -- watching ------------------------------------------------------------------
+    def poll_workers(self) -> None:
+        with self._lock:
+            for pid in _children(os.getpid()):
+                if pid in self.workers:
+                    continue
+                env = _environ(pid)
+                if env.get("RANKWATCH_RUN_ID") != self.run_id or "RANK" not in env:
+                    continue
+                try:
+                    self.workers[pid] = Worker(pid=pid, rank=int(env["RANK"]), local_rank=int(env.get("LOCAL_RANK", 0)),
+                                               world_size=int(env.get("WORLD_SIZE", 0)))
+                except ValueError:
+                    continue
+            for worker in self.workers.values():
+                if worker.alive:
+                    exited, code = _exit_status(worker.pid)
+                    if exited:
+                        worker.alive, worker.exit_code, worker.exited_at = False, code, time.time()
+
+    def _report(self, finished: bool = False) -> None:
+        with self._lock:
+            statuses = [wire.WorkerStatus(local_rank=w.local_rank, rank=w.rank, pid=w.pid, alive=w.alive,
+                                          exit_code=w.exit_code, exited_at=w.exited_at)
+                        for w in self.workers.values()]
+        node = wire.NodeHeartbeat(run_id=self.run_id, host=self.host, node_rank=self.node_rank,
+                                  world_size=self.world_size, sent_at=time.time(), hang_timeout=self.hang_timeout,
+                                  on_hang=self.on_hang, workers=statuses, finished=finished)
+        try:
+            raw = self.post("/v1/nodes", wire.dumps(node), "application/json")
+            reply = wire.decode(wire.Reply, raw)
+        except Exception:
+            return  # the collector may be down: the launcher still writes a report
+        for command in reply.commands:
+            if command.kind == "capture" and command.incident not in self._captured:
+                self._captured.add(command.incident)
+                threading.Thread(target=self.capture, args=(command,), name="rankwatch-capture", daemon=True).start()
+            elif command.kind == "abort" and not self.aborted and not finished:
+                self.abort(command.reason)
+
+    # -- actions ---------------------------------------------------------------------
+    def abort(self, reason: str, grace: float = 5.0) -> None:
+        """End the job once the evidence is in: SIGTERM, then SIGKILL."""
+        self.aborted = True
+        _log(f"ending the job: {reason}")
+        live = [w for w in self.workers.values() if w.alive]
+        for worker in live:
+            _signal(worker.pid, signal.SIGTERM)
+
+        def escalate() -> None:
+            deadline = time.time() + grace
+            while time.time() < deadline:
+                self.poll_workers()
+                if not any(w.alive for w in live):
+                    return
+                time.sleep(0.1)
+            for worker in live:
+                if worker.alive:
+                    _signal(worker.pid, signal.SIGKILL)
+
+        threading.Thread(target=escalate, name="rankwatch-abort", daemon=True).start()
+
+    def capture(self, command: wire.Command) -> None:
+        targets = [w for w in self.workers.values() if w.alive and (not command.ranks or w.rank in command.ranks)]
+        stale = set(command.details.get("stale", [])) if isinstance(command.details, dict) else set()
+        threads = [threading.Thread(target=self._capture_one, args=(w, command, w.rank in stale), daemon=True)
+                   for w in targets]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(PYSPY_TIMEOUT + 2)
+
+    def _capture_one(self, worker: Worker, command: wire.Command, stale: bool) -> None:
+        members: dict[str, Any] = {}
+        notes = []
+        if self._pyspy:
+            stacks, native, note = pyspy_dump(self._pyspy, worker.pid, native=stale)
+            if stacks is not None:
+                members["stacks.json"] = stacks
+            if native:
+                members["native_stacks.txt"] = native
+            if note:
+                notes.append(note)
+        else:
+            notes.append("py-spy not installed: no stacks from outside (pip install 'rankwatch[stacks]')")
+        if stale:
+            text = faulthandler_dump(self.run_dir, worker)
+            if text:
+                members["faulthandler.txt"] = text
+        manifest = wire.BundleManifest(
+            run_id=self.run_id, rank=worker.rank, local_rank=worker.local_rank, world_size=worker.world_size,
+            host=self.host, pid=worker.pid, step=None, created_at=time.time(), reason=command.reason or "capture",
+            incident=command.incident, source="supervisor", rankwatch_version=__version__,
+            python_version=platform.python_version(), node_rank=self.node_rank, notes=notes)
+        archive = pack(manifest, members)
+        try:
+            self.post("/v1/bundles", archive, "application/gzip")
+        except Exception:
+            spool = self.run_dir / "spool" / command.incident / f"rank-{worker.rank:05d}.supervisor.tar.gz"
+            spool.parent.mkdir(parents=True, exist_ok=True)
+            spool.write_bytes(archive)
+
+
+def pyspy_dump(pyspy: str, pid: int, native: bool = False) -> tuple[Optional[list], str, str]:
+    """(stacks in the bundle's format, native text, note)."""
+    stacks = None
+    note = ""
+    try:
+        out = subprocess.run([pyspy, "dump", "--pid", str(pid), "--json"], capture_output=True, text=True,
+                             timeout=PYSPY_TIMEOUT)
+        if out.returncode == 0:
+            stacks = _pyspy_to_stacks(json.loads(out.stdout), pid)
+        else:
+            note = f"py-spy failed: {out.stderr.strip()[:300]}"
+    except (subprocess.TimeoutExpired, ValueError, OSError) as exc:
+        note = f"py-spy failed: {type(exc).__name__}: {exc}"
+    native_text = ""
+    if native:
+        try:
+            out = subprocess.run([pyspy, "dump", "--pid", str(pid), "--native"], capture_output=True, text=True,
+                                 timeout=PYSPY_TIMEOUT)
+            native_text = redact_text(out.stdout[-200_000:])
+        except (subprocess.TimeoutExpired, OSError):
+            pass
+    return stacks, native_text, note
+
+
+def _pyspy_to_stacks(threads: list[dict[str, Any]], pid: int) -> list[dict[str, Any]]:
+    out = []
+    for thread in threads:
+        frames = [
+            {"file": f.get("filename", ""), "line": f.get("line", 0), "name": f.get("name", ""), "code": ""}
+            for f in reversed(thread.get("frames") or [])  # py-spy lists innermost first
+        ]
+        out.append({
+            "thread_id": thread.get("thread_id"),
+            "name": thread.get("thread_name") or "",
+            "daemon": False,
+            "main": thread.get("os_thread_id") == pid or thread.get("thread_name") == "MainThread",
+            "frames": frames,
+            "owns_gil": thread.get("owns_gil"),
+            "active": thread.get("active"),
+        })
+    if out and not any(t["main"] for t in out):
+        out[0]["main"] = True
+    return out
+
+
+def faulthandler_dump(run_dir: Path, worker: Worker, wait: float = 1.0) -> str:
+    path = run_dir / "stacks" / f"rank-{worker.rank:05d}.faulthandler.txt"
+    if not path.exists():
+        return ""
+    before = path.stat().st_size
+    _signal(worker.pid, FAULTHANDLER_SIGNAL)
+    deadline = time.time() + wait
+    while time.time() < deadline and path.stat().st_size == before:
+        time.sleep(0.05)
+    with open(path, "rb") as f:
+        f.seek(before)
+        return redact_text(f.read(200_000).decode(errors="replace"))
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _log(message: str) -> None:
+    import sys
+
+    sys.stderr.write(f"[rankwatch] {message}\n")
+    sys.stderr.flush()
