@@ -51,6 +51,13 @@ class Progress:
         # pg id -> last enqueued seq, read at marked steps (set by the agent).
         self.read_collective_seqs: Optional[Callable[[], dict[str, int]]] = None
         self.on_step_end: list[Callable[[StepRecord], None]] = []
+        # Memory-mapped record the supervisor reads if the rank dies silently.
+        self.blackbox = None
+
+    def _record(self) -> None:
+        box = self.blackbox
+        if box is not None:
+            box.write(self.step, self.forwards, self.phase, self.last_progress_at)
 
     # -- phase ---------------------------------------------------------------
     def set_phase(self, phase: str) -> None:
@@ -58,6 +65,7 @@ class Progress:
         self.phase = phase
         self.phase_since = now
         self.last_progress_at = now
+        self._record()
 
     # -- hooks (training thread) --------------------------------------------
     @guarded("progress.forward")
@@ -70,6 +78,7 @@ class Progress:
         self.phase = "forward"
         self.phase_since = now
         self.last_progress_at = now
+        self._record()
 
     @guarded("progress.backward")
     def on_backward(self, loss) -> None:
@@ -81,6 +90,7 @@ class Progress:
         self.phase = "backward"
         self.phase_since = now
         self.last_progress_at = now
+        self._record()
 
     def on_backward_done(self, at: float) -> None:
         """Called when this rank's local backward reached the last gradient
@@ -96,6 +106,7 @@ class Progress:
         self.phase = "optimizer"
         self.phase_since = now
         self.last_progress_at = now
+        self._record()
 
     @guarded("progress.optimizer")
     def on_optimizer_post(self, optimizer, args, kwargs) -> None:
@@ -143,6 +154,7 @@ class Progress:
         self.phase = "data"
         self.phase_since = now
         self.last_progress_at = now
+        self._record()
 
     def _read_loss(self) -> Optional[float]:
         if self._observed_loss is not None:

@@ -76,6 +76,7 @@ class Agent:
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._faulthandler_file = None
+        self._fatal_file = None
         self.ddp_modules: list[Any] = []
         self.extensions: list[Any] = []  # parts attached per DDP model (gradient checks, ...)
 
@@ -89,21 +90,43 @@ class Agent:
         global _current
         _current = self
         self.progress.read_collective_seqs = self.collectives.enqueued_seqs
+        self._install_blackbox()
         self._install_faulthandler()
         self._install_torch_hooks()
         self._thread = threading.Thread(target=self._heartbeat_loop, name="rankwatch-heartbeat", daemon=True)
         self._thread.start()
 
+    @guarded("agent.blackbox")
+    def _install_blackbox(self) -> None:
+        if self.run_dir:
+            from rankwatch import blackbox
+
+            self.progress.blackbox = blackbox.BlackBox(blackbox.path_for(self.run_dir, self.identity.rank))
+            self.progress.set_phase("startup")
+
     @guarded("agent.faulthandler")
     def _install_faulthandler(self) -> None:
-        # The supervisor sends this signal to a rank whose heartbeat stopped:
-        # faulthandler prints every thread's stack even while the GIL is held.
+        # Two files the supervisor reads from outside: one for fatal signals
+        # (SIGABRT from a gloo/NCCL abort, SIGSEGV), one for the signal it
+        # sends a rank whose heartbeat stopped. faulthandler writes both even
+        # while the GIL is held. A user's own PYTHONFAULTHANDLER wins.
         if not self.run_dir:
             return
-        path = Path(self.run_dir) / "stacks" / f"rank-{self.identity.rank:05d}.faulthandler.txt"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._faulthandler_file = open(path, "w")
+        from rankwatch.faulttext import MAIN_MARK
+
+        folder = Path(self.run_dir) / "stacks"
+        folder.mkdir(parents=True, exist_ok=True)
+        stem = f"rank-{self.identity.rank:05d}"
+        header = f"{MAIN_MARK} {threading.main_thread().ident:#x}\n"
+        self._faulthandler_file = open(folder / f"{stem}.faulthandler.txt", "w")
+        self._faulthandler_file.write(header)
+        self._faulthandler_file.flush()
         faulthandler.register(FAULTHANDLER_SIGNAL, file=self._faulthandler_file, all_threads=True, chain=False)
+        if not os.environ.get("PYTHONFAULTHANDLER"):
+            self._fatal_file = open(folder / f"{stem}.fatal.txt", "w")
+            self._fatal_file.write(header)
+            self._fatal_file.flush()
+            faulthandler.enable(file=self._fatal_file, all_threads=True)
 
     def _install_torch_hooks(self) -> None:
         import torch

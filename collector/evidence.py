@@ -33,9 +33,11 @@ class CollectiveEntry:
 
     @property
     def shape_text(self) -> str:
-        sizes = "x".join(str(s) for s in self.input_sizes) if self.input_sizes else "?"
-        dtypes = ",".join(str(d) for d in self.input_dtypes) or "?"
-        return f"{self.op} {sizes} {dtypes}"
+        if not self.input_sizes:
+            return self.op
+        sizes = ", ".join("x".join(str(d) for d in s) if isinstance(s, list) else str(s) for s in self.input_sizes)
+        dtypes = ",".join(str(d) for d in self.input_dtypes)
+        return f"{self.op} of [{sizes}] {dtypes}".rstrip()
 
 
 @dataclass

@@ -13,7 +13,7 @@ from .state import RunState
 
 def build(run: RunState, verdicts: list[wire.Verdict]) -> wire.Report:
     world = run.world_size or (max(run.ranks) + 1 if run.ranks else 0)
-    ordered = sorted(verdicts, key=lambda v: (v.first_seen_at, v.kind))
+    ordered = list(verdicts)  # run_all orders them: root causes first
     return wire.Report(run_id=run.run_id, world_size=world,
                        status="faulty" if ordered else "healthy", verdicts=ordered)
 

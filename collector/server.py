@@ -107,6 +107,8 @@ def _make_handler(server: CollectorServer):
         def _guard(self, fn) -> None:
             try:
                 fn()
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the client went away (a rank that died mid-request)
             except RequestError as exc:
                 self._send(exc.status, {"error": str(exc)})
             except wire.WireError as exc:

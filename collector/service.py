@@ -397,6 +397,9 @@ def merge_bundle(run: RunState, bundle: Bundle) -> None:
             state.marks.setdefault(mark["step"], mark["seqs"])
     if m.step is not None and m.step > state.step:
         state.step = m.step
+        phase = ev.progress.get("phase") if ev.source == "supervisor" else None
+        if isinstance(phase, str) and phase:
+            state.phase = phase
 
 
 def merge_evidence(a: RankEvidence, b: RankEvidence) -> RankEvidence:

@@ -30,6 +30,7 @@ from .redact import redact_text
 
 FAULTHANDLER_SIGNAL = signal.SIGUSR2
 PYSPY_TIMEOUT = 8.0
+EXIT_POLL_INTERVAL = 0.02
 
 
 @dataclass
@@ -108,6 +109,7 @@ class NodeSupervisor:
         self._thread: Optional[threading.Thread] = None
         self._pyspy = shutil.which("py-spy")
         self._lock = threading.Lock()
+        self._last_scan = 0.0
 
     # -- lifecycle ---------------------------------------------------------------
     def start(self) -> None:
@@ -122,22 +124,34 @@ class NodeSupervisor:
         self._report(finished=True)
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
+        # Exit statuses are polled often: torchrun reaps a dead worker within
+        # its monitor interval (0.1 s) and then only keeps a whole-second time.
+        last_report = 0.0
+        while not self._stop.wait(EXIT_POLL_INTERVAL):
             try:
-                self.poll_workers()
-                self._report()
+                now = time.monotonic()
+                scan = now - self._last_scan >= self.interval
+                changed = self.poll_workers(scan_children=scan)
+                if changed or now - last_report >= self.interval:
+                    last_report = now
+                    self._report()
             except Exception as exc:
                 _log(f"supervisor error: {type(exc).__name__}: {exc}")
 
     # -- watching ------------------------------------------------------------------
-    def poll_workers(self) -> None:
+    def poll_workers(self, scan_children: bool = True) -> bool:
+        """Find new local workers and record exits; True when something changed."""
+        changed = False
         with self._lock:
-            for pid in _children(os.getpid()):
+            if scan_children:
+                self._last_scan = time.monotonic()
+            for pid in (_children(os.getpid()) if scan_children else ()):
                 if pid in self.workers:
                     continue
                 env = _environ(pid)
                 if env.get("RANKWATCH_RUN_ID") != self.run_id or "RANK" not in env:
                     continue
+                changed = True
                 try:
                     self.workers[pid] = Worker(pid=pid, rank=int(env["RANK"]), local_rank=int(env.get("LOCAL_RANK", 0)),
                                                world_size=int(env.get("WORLD_SIZE", 0)))
@@ -148,6 +162,10 @@ class NodeSupervisor:
                     exited, code = _exit_status(worker.pid)
                     if exited:
                         worker.alive, worker.exit_code, worker.exited_at = False, code, time.time()
+                        changed = True
+                        if code is None or code != 0:
+                            threading.Thread(target=self.post_mortem, args=(worker,), daemon=True).start()
+        return changed
 
     def _report(self, finished: bool = False) -> None:
         with self._lock:
@@ -191,6 +209,44 @@ class NodeSupervisor:
 
         threading.Thread(target=escalate, name="rankwatch-abort", daemon=True).start()
 
+    def post_mortem(self, worker: Worker) -> None:
+        """A rank died: its black box (last step and phase) and what Python's
+        faulthandler wrote on the fatal signal (SIGABRT from a collective
+        abort, SIGSEGV) are what it could not report itself."""
+        from . import blackbox
+        from .faulttext import MAIN_MARK, parse
+
+        members: dict[str, Any] = {}
+        box = blackbox.read(blackbox.path_for(self.run_dir, worker.rank))
+        if box is not None:
+            members["metrics.json"] = {"progress": box, "steps": [], "marks": [], "events": []}
+        try:
+            text = (self.run_dir / "stacks" / f"rank-{worker.rank:05d}.fatal.txt").read_text(errors="replace")
+        except OSError:
+            text = ""
+        if any(line and not line.startswith(MAIN_MARK) for line in text.splitlines()):
+            text = redact_text(text[-200_000:])
+            members["faulthandler.txt"] = text
+            members["stacks.json"] = parse(text)
+        if members:
+            step = box["step"] if box else None
+            self._send_bundle(worker, f"postmortem-r{worker.rank}", "crash", members, [], step=step)
+
+    def _send_bundle(self, worker: Worker, incident: str, reason: str, members: dict[str, Any],
+                     notes: list[str], step: Optional[int] = None) -> None:
+        manifest = wire.BundleManifest(
+            run_id=self.run_id, rank=worker.rank, local_rank=worker.local_rank, world_size=worker.world_size,
+            host=self.host, pid=worker.pid, step=step, created_at=time.time(), reason=reason,
+            incident=incident, source="supervisor", rankwatch_version=__version__,
+            python_version=platform.python_version(), node_rank=self.node_rank, notes=notes)
+        archive = pack(manifest, members)
+        try:
+            self.post("/v1/bundles", archive, "application/gzip")
+        except Exception:
+            spool = self.run_dir / "spool" / incident / f"rank-{worker.rank:05d}.supervisor.tar.gz"
+            spool.parent.mkdir(parents=True, exist_ok=True)
+            spool.write_bytes(archive)
+
     def capture(self, command: wire.Command) -> None:
         targets = [w for w in self.workers.values() if w.alive and (not command.ranks or w.rank in command.ranks)]
         stale = set(command.details.get("stale", [])) if isinstance(command.details, dict) else set()
@@ -218,18 +274,7 @@ class NodeSupervisor:
             text = faulthandler_dump(self.run_dir, worker)
             if text:
                 members["faulthandler.txt"] = text
-        manifest = wire.BundleManifest(
-            run_id=self.run_id, rank=worker.rank, local_rank=worker.local_rank, world_size=worker.world_size,
-            host=self.host, pid=worker.pid, step=None, created_at=time.time(), reason=command.reason or "capture",
-            incident=command.incident, source="supervisor", rankwatch_version=__version__,
-            python_version=platform.python_version(), node_rank=self.node_rank, notes=notes)
-        archive = pack(manifest, members)
-        try:
-            self.post("/v1/bundles", archive, "application/gzip")
-        except Exception:
-            spool = self.run_dir / "spool" / command.incident / f"rank-{worker.rank:05d}.supervisor.tar.gz"
-            spool.parent.mkdir(parents=True, exist_ok=True)
-            spool.write_bytes(archive)
+        self._send_bundle(worker, command.incident, command.reason or "capture", members, notes)
 
 
 def pyspy_dump(pyspy: str, pid: int, native: bool = False) -> tuple[Optional[list], str, str]:

@@ -41,18 +41,21 @@ def _t(text: str) -> float:
 
 
 def explain_away(verdicts: list[wire.Verdict]) -> list[wire.Verdict]:
-    """A collective mismatch makes the ranks hang or abort ("size doesn't
-    match", "Connection closed by peer"): those are its consequences, not
-    separate faults."""
+    """A collective mismatch makes ranks hang or abort ("size doesn't match",
+    "Connection closed by peer"). A hang or crash verdict that blames other
+    ranks than the mismatch is blaming its victims: dropped. One that names
+    the same ranks says something true (it did hang, it did die): kept,
+    after the root cause."""
     mismatches = [v for v in verdicts if v.kind == "collective_mismatch"]
     if not mismatches:
-        return verdicts
+        return sorted(verdicts, key=lambda v: v.first_seen_at)
     first = min(_t(v.first_seen_at) for v in mismatches)
+    culprits = {r for v in mismatches for r in v.ranks}
     kept = []
     for v in verdicts:
-        if v.kind == "crash" and _t(v.first_seen_at) >= first - 1.0:
-            continue
-        if v.kind == "hang" and _t(v.detected_at) >= first:
+        consequence = (v.kind == "crash" and _t(v.first_seen_at) >= first - 1.0) or (
+            v.kind == "hang" and _t(v.detected_at) >= first)
+        if consequence and not set(v.ranks) <= culprits:
             continue
         kept.append(v)
-    return kept
+    return sorted(kept, key=lambda v: (v.kind != "collective_mismatch", v.first_seen_at))

@@ -15,6 +15,8 @@ The culprits are the ranks that differ from the majority; with no majority
 
 from __future__ import annotations
 
+import os
+import signal
 from collections import Counter
 from typing import Optional
 
@@ -22,15 +24,15 @@ from rankwatch import wire
 
 from ..evidence import CollectiveEntry, RankEvidence
 from ..state import RunState
-from .common import majority, ranks_text, verdict
+from .common import is_machinery, majority, ranks_text, verdict
 
 
 def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
-    by_entries = _from_flight_recorder(run, now)
-    if by_entries is not None:
-        return [by_entries]
-    by_marks = _from_marks(run, now)
-    return [by_marks] if by_marks is not None else []
+    for source in (_from_flight_recorder, _from_dying_call, _from_marks):
+        found = source(run, now)
+        if found is not None:
+            return [found]
+    return []
 
 
 # -- Flight Recorder entries -------------------------------------------------
@@ -139,6 +141,80 @@ def _verdict_from_entries(run, evidence, present, culprits, how, key, now) -> wi
         "bundles": {str(r): ev.bundle_path for r, ev in evidence.items() if ev.bundle_path},
     }
     return verdict("collective_mismatch", culprits, step, first_seen, now, summary, ev)
+
+
+# -- a rank that died inside a collective its peers never issued ---------------
+
+_PY_API = {
+    "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+    "broadcast", "reduce", "barrier", "all_to_all", "all_to_all_single", "gather", "scatter",
+    "all_gather_object", "broadcast_object_list", "monitored_barrier",
+}
+
+
+def python_collective_call(frames: list[dict]) -> Optional[tuple[str, str]]:
+    """(op, call site) when the stack is inside a torch.distributed Python-API collective."""
+    for i in range(len(frames) - 1, -1, -1):
+        frame = frames[i]
+        if str(frame.get("file", "")).endswith("distributed_c10d.py") and frame.get("name") in _PY_API:
+            for caller in reversed(frames[:i]):
+                if not is_machinery(str(caller.get("file", ""))):
+                    return str(frame["name"]), f"{os.path.basename(str(caller.get('file')))}:{caller.get('line')} in {caller.get('name')}"
+            return str(frame["name"]), "<unknown>"
+    return None
+
+
+def _dying_stack(state) -> list[dict]:
+    for ev in state.evidence.values():
+        if ev.main_stack:
+            return ev.main_stack
+    for ev in state.evidence.values():
+        if ev.exception and isinstance(ev.exception.get("frames"), list):
+            return ev.exception["frames"]
+    return []
+
+
+def _from_dying_call(run: RunState, now: float) -> Optional[wire.Verdict]:
+    """gloo aborts (SIGABRT, "Received data size doesn't match") the rank whose
+    extra collective met a peer's different one. Its Flight Recorder died
+    with it; its last stack (faulthandler, traceback) and its peers' records
+    still show the call that no peer made."""
+    from .crash import failure_of
+
+    dying: dict[int, tuple[str, str, object]] = {}
+    for r, state in run.ranks.items():
+        failure = failure_of(state)
+        if failure is None:
+            continue
+        aborted = failure.kind == "signal" and failure.exit_code in (-signal.SIGABRT, -signal.SIGSEGV)
+        if not (aborted or failure.collective_error):
+            continue
+        call = python_collective_call(_dying_stack(state))
+        if call:
+            dying[r] = (call[0], call[1], failure)
+    if not dying:
+        return None
+    peers_now: dict[int, CollectiveEntry] = {}
+    for r, ev in _latest_evidence(run).items():
+        if r not in dying and ev.collectives:
+            peers_now[r] = ev.collectives[-1]
+    sites = {site for _, site, _ in dying.values()}
+    culprits = sorted(r for r, (op, site, _) in dying.items()
+                      if not any(e.origin.startswith(site.split(" in ")[0]) for e in peers_now.values()))
+    if not culprits or (len(sites) == 1 and len(dying) == len(run.ranks)):
+        return None
+    op, site, failure = dying[culprits[0]]
+    peer_text = ""
+    if peers_now:
+        sample = next(iter(peers_now.values()))
+        who = "DDP gradient allreduce" if sample.origin == "internal" else f"from {sample.origin}"
+        peer_text = f" while {ranks_text(sorted(peers_now))} were in collective #{sample.seq}, {sample.shape_text} ({who})"
+    summary = (f"{ranks_text(culprits).capitalize()} called {op} at {site}, a collective no other rank issued"
+               f"{peer_text}; the mismatch aborted it ({failure.cause}).")
+    ev = {"calls": {str(r): {"op": o, "callsite": s_} for r, (o, s_, _) in dying.items()},
+          "peers": {str(r): {"sequence": e.seq, "op": e.op, "input_sizes": e.input_sizes, "origin": e.origin}
+                    for r, e in peers_now.items()}}
+    return verdict("collective_mismatch", culprits, failure.step, failure.at, now, summary, ev)
 
 
 # -- collective marks ------------------------------------------------------------

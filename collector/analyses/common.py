@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
+import re
 from typing import Any, Iterable, Optional
 
 from rankwatch import wire
@@ -12,8 +13,8 @@ from rankwatch import wire
 _MACHINERY = (
     f"{os.sep}torch{os.sep}",
     f"{os.sep}rankwatch{os.sep}",
-    f"{os.sep}agent{os.sep}bootstrap.py",
-    f"{os.sep}agent{os.sep}runtime.py",
+    # the agent's own folder (a source checkout: <repo>/agent next to <repo>/collector)
+    os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "agent") + os.sep,
     "<frozen ",
     f"{os.sep}runpy.py",
     f"{os.sep}threading.py",
@@ -52,8 +53,13 @@ def verdict(kind: str, ranks: Iterable[int], step: Optional[int], first_seen: Op
     )
 
 
+# The standard library (not site-packages): select(), queue.get() and the like
+# are where a stuck rank waits, not where its bug is.
+_STDLIB = re.compile(r"[\\/]lib[\\/]python3\.\d+[\\/](?!site-packages|dist-packages)")
+
+
 def is_machinery(filename: str) -> bool:
-    return any(marker in filename for marker in _MACHINERY)
+    return any(marker in filename for marker in _MACHINERY) or bool(_STDLIB.search(filename))
 
 
 def user_frame(frames: list[dict[str, Any]]) -> Optional[dict[str, Any]]:

@@ -17,7 +17,7 @@ from typing import Optional
 from rankwatch import wire
 
 from ..state import RankState, RunState
-from .common import ranks_text, verdict
+from .common import ranks_text, verdict, where
 
 # Failures that are the consequence of a peer's failure (or of a collective
 # mismatch, which collective_mismatch explains).
@@ -96,13 +96,16 @@ def failures(run: RunState) -> list[Failure]:
     out.sort(key=lambda f: f.at)
     if not out:
         return out
-    # Teardown signals after another failure are torchrun stopping the job.
-    first = out[0].at
+    # Teardown signals are torchrun (or the user) stopping the job: never the
+    # cause while any other failure exists. torchrun's own failure times are
+    # whole seconds, so "after" cannot be trusted to order them.
+    def is_teardown(f: Failure) -> bool:
+        return f.kind == "signal" and f.exit_code is not None and -f.exit_code in TEARDOWN_SIGNALS
+
+    others = [f for f in out if not is_teardown(f)]
     for failure in out:
-        if failure.kind == "signal" and failure.exit_code is not None:
-            sig = -failure.exit_code
-            if sig in TEARDOWN_SIGNALS and (failure.at > first or run.interrupted or run.aborted):
-                failure.peer_caused = True
+        if is_teardown(failure) and (others or run.interrupted or run.aborted or failure is not out[0]):
+            failure.peer_caused = True
     if run.interrupted:
         for failure in out:
             if failure.kind == "signal":
@@ -125,11 +128,23 @@ def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
             return []
         causes = found[:1]  # every failure looks like a consequence: name the first
     first = causes[0]
+    culprit_state = run.ranks[first.rank]
+    seen_dead = any(ev.source == "supervisor" and ev.reason == "crash" for ev in culprit_state.evidence.values())
+    if first.kind != "exception" and not seen_dead:
+        # A killed rank could not report its last steps; its peers, in lockstep
+        # with it, say which step the job was in when it died.
+        peer_steps = [f.step for f in found if f is not first and f.kind == "exception" and f.step is not None]
+        if peer_steps and (first.step is None or min(peer_steps) > first.step):
+            first.step = min(peer_steps)
+            first.phase = "unknown"
     culprits = [f for f in causes if f.at - first.at <= SAME_CAUSE_WINDOW]
     victims = [f for f in found if f not in culprits]
     summary = f"{ranks_text(f.rank for f in culprits).capitalize()} crashed first: {first.cause}"
     if first.step is not None:
-        summary += f" (step {first.step}, phase {first.phase or 'unknown'})"
+        summary += f" (step {first.step}" + (f", phase {first.phase})" if first.phase not in ("", "unknown") else ")")
+    last_stack = next((ev.main_stack for ev in culprit_state.evidence.values() if ev.main_stack), [])
+    if first.kind != "exception" and last_stack:
+        summary += f"; its last Python stack: {where(last_stack)}"
     summary += "."
     if victims:
         summary += f" {len(victims)} other rank(s) failed as a consequence."
