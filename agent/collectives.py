@@ -64,6 +64,7 @@ class CollectiveTracker:
         self._installed = False
         self._torch_dir: Optional[str] = None
         self._local = threading.local()
+        self.blackbox = None  # set by the agent: in-flight calls survive a fatal abort
 
     # -- Flight Recorder -------------------------------------------------------
     @property
@@ -127,18 +128,24 @@ class CollectiveTracker:
             if getattr(local, "depth", 0):  # nested (e.g. barrier -> all_reduce): record the outer call
                 return fn(*args, **kwargs)
             local.depth = 1
-            started = time.time_ns()
+            call = tracker._enter(op, args)
             try:
-                return fn(*args, **kwargs)
-            finally:
+                result = fn(*args, **kwargs)
+            except BaseException:
+                # Keep the black box's in-flight record: this call is where the
+                # rank failed, and it may be killed before it can say so.
                 local.depth = 0
-                tracker._record(op, started)
+                tracker._leave(call, clear=False)
+                raise
+            local.depth = 0
+            tracker._leave(call)
+            return result
 
         collective.__rankwatch_wrapped__ = True  # type: ignore[attr-defined]
         return collective
 
     @guarded("collectives.callsite")
-    def _record(self, op: str, started_ns: int) -> None:
+    def _enter(self, op: str, args: tuple) -> Optional[dict[str, Any]]:
         frame = sys._getframe(1)
         site = None
         while frame is not None:
@@ -151,15 +158,24 @@ class CollectiveTracker:
                 site = f"{filename}:{frame.f_lineno} in {frame.f_code.co_name}"
                 break
             frame = frame.f_back
-        self.calls.append(
-            {
-                "op": op,
-                "started_ns": started_ns,
-                "ended_ns": time.time_ns(),
-                "thread": threading.get_ident(),
-                "callsite": site or "<unknown>",
-            }
-        )
+        tensor = args[0] if args else None
+        numel = int(tensor.numel()) if hasattr(tensor, "numel") else 0
+        call = {"op": op, "started_ns": time.time_ns(), "ended_ns": 0, "thread": threading.get_ident(),
+                "callsite": site or "<unknown>", "numel": numel}
+        self.calls.append(call)  # in flight until ended_ns is set
+        if self.blackbox is not None:
+            self.blackbox.enter_collective(op, numel, time.time(), call["callsite"])
+        return call
+
+    @guarded("collectives.callsite")
+    def _leave(self, call: Optional[dict[str, Any]], clear: bool = True) -> None:
+        if call is None:
+            return
+        call["ended_ns"] = time.time_ns()
+        if not clear:
+            call["failed"] = True
+        elif self.blackbox is not None:
+            self.blackbox.leave_collective()
 
 
 def _dist_initialized() -> bool:

@@ -154,6 +154,8 @@ class Progress:
         self.phase = "data"
         self.phase_since = now
         self.last_progress_at = now
+        if self.blackbox is not None:
+            self.blackbox.leave_collective()  # a failed call the script caught is over
         self._record()
 
     def _read_loss(self) -> Optional[float]:

@@ -101,7 +101,9 @@ class Agent:
         if self.run_dir:
             from rankwatch import blackbox
 
-            self.progress.blackbox = blackbox.BlackBox(blackbox.path_for(self.run_dir, self.identity.rank))
+            box = blackbox.BlackBox(blackbox.path_for(self.run_dir, self.identity.rank))
+            self.progress.blackbox = box
+            self.collectives.blackbox = box
             self.progress.set_phase("startup")
 
     @guarded("agent.faulthandler")

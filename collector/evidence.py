@@ -139,7 +139,8 @@ def parse_flight_recorder(dump: dict[str, Any], python_calls: list[dict[str, Any
         out.append(entry)
     for entry in out:
         for call in python_calls:
-            if (_int(call.get("started_ns"), 0) <= entry.created_ns <= _int(call.get("ended_ns"), 0)
+            ended = _int(call.get("ended_ns"), 0) or 2**63  # 0: the rank died inside the call
+            if (_int(call.get("started_ns"), 0) <= entry.created_ns <= ended
                     and (not entry.thread or str(call.get("thread")) == entry.thread)):
                 entry.origin = _short_site(str(call.get("callsite") or "python"))
                 break

@@ -169,7 +169,7 @@ class Collector:
         now = now or time.time()
         with self._lock:
             run = self._run(node.run_id, node.world_size)
-            key = f"{node.host}#{node.node_rank}"
+            key = f"{node.host}#{node.launcher_pid or node.node_rank}"
             run.nodes[key] = node
             if node.hang_timeout is not None:
                 run.hang_timeout = node.hang_timeout

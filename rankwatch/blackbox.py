@@ -1,9 +1,13 @@
-"""A rank's black box: a few bytes in a memory-mapped file, rewritten by the
-agent at every phase change and step, read by the supervisor after the rank
-died (SIGKILL, SIGABRT, host OOM-kill) when the rank could not say anything.
+"""A rank's black box: a few hundred bytes in a memory-mapped file, rewritten
+by the agent at every phase change and around every Python-API collective,
+read by the supervisor after the rank died (SIGKILL, SIGABRT from a
+collective abort, host OOM-kill), when the rank could not say anything.
 
-Layout (little-endian, 64 bytes): magic u32, version u32, step i64,
-forwards i64, last_progress_at f64, phase 16 bytes (ASCII), pid i64.
+Layout (little-endian, 512 bytes, version 2):
+    magic u32, version u32, step i64, forwards i64, last_progress_at f64,
+    phase 16s, pid i64,
+    collective op 24s, collective numel i64, collective entered_at f64,
+    collective call site 160s (empty op: not inside a Python-API collective)
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ from pathlib import Path
 from typing import Optional
 
 MAGIC = 0x52574242  # "RWBB"
-VERSION = 1
-_FORMAT = "<IIqqd16sq"
-SIZE = 64
+VERSION = 2
+_PROGRESS = struct.Struct("<IIqqd16sq")
+_COLLECTIVE = struct.Struct("<24sqd160s")
+_COLLECTIVE_AT = 64
+SIZE = 512
 
 
 class BlackBox:
@@ -32,8 +38,15 @@ class BlackBox:
         self._pid = os.getpid()
 
     def write(self, step: int, forwards: int, phase: str, last_progress_at: float) -> None:
-        struct.pack_into(_FORMAT, self._map, 0, MAGIC, VERSION, step, forwards, last_progress_at,
-                         phase.encode("ascii", "replace")[:16], self._pid)
+        _PROGRESS.pack_into(self._map, 0, MAGIC, VERSION, step, forwards, last_progress_at,
+                            phase.encode("ascii", "replace")[:16], self._pid)
+
+    def enter_collective(self, op: str, numel: int, at: float, callsite: str) -> None:
+        _COLLECTIVE.pack_into(self._map, _COLLECTIVE_AT, op.encode("ascii", "replace")[:24], numel, at,
+                              callsite.encode("utf-8", "replace")[-160:])
+
+    def leave_collective(self) -> None:
+        _COLLECTIVE.pack_into(self._map, _COLLECTIVE_AT, b"", 0, 0.0, b"")
 
 
 def read(path: Path) -> Optional[dict]:
@@ -41,13 +54,19 @@ def read(path: Path) -> Optional[dict]:
         data = path.read_bytes()[:SIZE]
     except OSError:
         return None
-    if len(data) < struct.calcsize(_FORMAT):
+    if len(data) < SIZE:
         return None
-    magic, version, step, forwards, last, phase, pid = struct.unpack_from(_FORMAT, data)
+    magic, version, step, forwards, last, phase, pid = _PROGRESS.unpack_from(data, 0)
     if magic != MAGIC or version != VERSION:
         return None
-    return {"step": step, "forwards": forwards, "last_progress_at": last,
-            "phase": phase.rstrip(b"\0").decode("ascii", "replace"), "pid": pid}
+    op, numel, entered, site = _COLLECTIVE.unpack_from(data, _COLLECTIVE_AT)
+    out = {"step": step, "forwards": forwards, "last_progress_at": last,
+           "phase": phase.rstrip(b"\0").decode("ascii", "replace"), "pid": pid}
+    op_text = op.rstrip(b"\0").decode("ascii", "replace")
+    if op_text:
+        out["collective"] = {"op": op_text, "numel": numel, "entered_at": entered,
+                             "callsite": site.rstrip(b"\0").decode("utf-8", "replace")}
+    return out
 
 
 def path_for(run_dir: Path | str, rank: int) -> Path:

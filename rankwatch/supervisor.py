@@ -60,6 +60,25 @@ def _children(parent: int) -> list[int]:
     return out
 
 
+def _descendants(root: int) -> list[int]:
+    """Every process below ``root`` (DataLoader workers and the like)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    found, frontier = [], [root]
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, ppid in parents.items() if ppid == parent]
+        found.extend(children)
+        frontier.extend(children)
+    return found
+
+
 def _environ(pid: int) -> dict[str, str]:
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
@@ -110,6 +129,7 @@ class NodeSupervisor:
         self._pyspy = shutil.which("py-spy")
         self._lock = threading.Lock()
         self._last_scan = 0.0
+        self._post_mortems: list[threading.Thread] = []
 
     # -- lifecycle ---------------------------------------------------------------
     def start(self) -> None:
@@ -121,6 +141,9 @@ class NodeSupervisor:
         if self._thread:
             self._thread.join(timeout=5)
         self.poll_workers()
+        deadline = time.time() + 5.0
+        for thread in self._post_mortems:  # the dead ranks' evidence goes in before the report
+            thread.join(max(0.0, deadline - time.time()))
         self._report(finished=True)
 
     def _loop(self) -> None:
@@ -164,7 +187,9 @@ class NodeSupervisor:
                         worker.alive, worker.exit_code, worker.exited_at = False, code, time.time()
                         changed = True
                         if code is None or code != 0:
-                            threading.Thread(target=self.post_mortem, args=(worker,), daemon=True).start()
+                            thread = threading.Thread(target=self.post_mortem, args=(worker,), daemon=True)
+                            thread.start()
+                            self._post_mortems.append(thread)
         return changed
 
     def _report(self, finished: bool = False) -> None:
@@ -174,7 +199,8 @@ class NodeSupervisor:
                         for w in self.workers.values()]
         node = wire.NodeHeartbeat(run_id=self.run_id, host=self.host, node_rank=self.node_rank,
                                   world_size=self.world_size, sent_at=time.time(), hang_timeout=self.hang_timeout,
-                                  on_hang=self.on_hang, workers=statuses, finished=finished)
+                                  on_hang=self.on_hang, workers=statuses, finished=finished,
+                                  launcher_pid=os.getpid())
         try:
             raw = self.post("/v1/nodes", wire.dumps(node), "application/json")
             reply = wire.decode(wire.Reply, raw)
@@ -193,23 +219,36 @@ class NodeSupervisor:
         self.aborted = True
         _log(f"ending the job: {reason}")
         live = [w for w in self.workers.values() if w.alive]
+        # A rank's own children (DataLoader workers stuck in a read) would
+        # outlive it and hold the job's pipes open: they go too.
+        below = [pid for w in live for pid in _descendants(w.pid)]
         for worker in live:
             _signal(worker.pid, signal.SIGTERM)
+        for pid in below:
+            _signal(pid, signal.SIGTERM)
 
         def escalate() -> None:
             deadline = time.time() + grace
             while time.time() < deadline:
                 self.poll_workers()
-                if not any(w.alive for w in live):
+                if not any(w.alive for w in live) and not any(_exists(p) for p in below):
                     return
                 time.sleep(0.1)
             for worker in live:
                 if worker.alive:
                     _signal(worker.pid, signal.SIGKILL)
+            for pid in below:
+                _signal(pid, signal.SIGKILL)
 
         threading.Thread(target=escalate, name="rankwatch-abort", daemon=True).start()
 
     def post_mortem(self, worker: Worker) -> None:
+        try:
+            self._post_mortem(worker)
+        except Exception as exc:
+            _log(f"post-mortem of rank {worker.rank} failed: {type(exc).__name__}: {exc}")
+
+    def _post_mortem(self, worker: Worker) -> None:
         """A rank died: its black box (last step and phase) and what Python's
         faulthandler wrote on the fatal signal (SIGABRT from a collective
         abort, SIGSEGV) are what it could not report itself."""
@@ -334,6 +373,14 @@ def faulthandler_dump(run_dir: Path, worker: Worker, wait: float = 1.0) -> str:
     with open(path, "rb") as f:
         f.seek(before)
         return redact_text(f.read(200_000).decode(errors="replace"))
+
+
+def _exists(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _signal(pid: int, sig: int) -> None:

@@ -151,6 +151,7 @@ class NodeHeartbeat:
     on_hang: str = "abort"
     workers: list[WorkerStatus] = field(default_factory=list)
     finished: bool = False
+    launcher_pid: int = 0  # several launchers may share a host (and not know their node rank)
     version: int = WIRE_VERSION
 
 

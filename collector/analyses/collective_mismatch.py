@@ -22,7 +22,7 @@ from typing import Optional
 
 from rankwatch import wire
 
-from ..evidence import CollectiveEntry, RankEvidence
+from ..evidence import CollectiveEntry, RankEvidence, _short_site
 from ..state import RunState
 from .common import is_machinery, majority, ranks_text, verdict
 
@@ -174,47 +174,77 @@ def _dying_stack(state) -> list[dict]:
     return []
 
 
-def _from_dying_call(run: RunState, now: float) -> Optional[wire.Verdict]:
-    """gloo aborts (SIGABRT, "Received data size doesn't match") the rank whose
-    extra collective met a peer's different one. Its Flight Recorder died
-    with it; its last stack (faulthandler, traceback) and its peers' records
-    still show the call that no peer made."""
-    from .crash import failure_of
-
-    dying: dict[int, tuple[str, str, object]] = {}
-    for r, state in run.ranks.items():
-        failure = failure_of(state)
-        if failure is None:
-            continue
-        aborted = failure.kind == "signal" and failure.exit_code in (-signal.SIGABRT, -signal.SIGSEGV)
-        if not (aborted or failure.collective_error):
-            continue
-        call = python_collective_call(_dying_stack(state))
+def _in_flight(state) -> tuple[bool, Optional[tuple[str, str, int]]]:
+    """(known, (op, call site, numel)) of the Python-API collective a dead
+    rank was inside: from its black box, else from its last stack."""
+    known = False
+    for ev in state.evidence.values():
+        progress = ev.progress if isinstance(ev.progress, dict) else {}
+        if ev.source == "supervisor" and progress:
+            known = True
+            call = progress.get("collective")
+            if isinstance(call, dict) and call.get("op"):
+                return True, (str(call["op"]), _short_site(str(call.get("callsite", ""))), int(call.get("numel") or 0))
+    stack = _dying_stack(state)
+    if stack:
+        call = python_collective_call(stack)
         if call:
-            dying[r] = (call[0], call[1], failure)
-    if not dying:
+            return True, (call[0], call[1], -1)
+        known = True
+    return known, None
+
+
+def _from_dying_call(run: RunState, now: float) -> Optional[wire.Verdict]:
+    """gloo aborts (SIGABRT, "Received data size doesn't match") a rank when
+    an extra collective meets a peer's different one, and torchrun then kills
+    the rest: often no Flight Recorder dump survives. The black boxes (and
+    last stacks) still show which rank was inside a Python-API collective
+    that its peers were not in."""
+    from .crash import failures
+
+    found = failures(run)
+    if not found or any(f.kind == "exception" and not f.peer_caused and not f.collective_error for f in found):
+        return None  # nobody died, or an independent exception explains it
+    groups: dict[Optional[str], list[int]] = {}
+    calls: dict[int, tuple[str, str, int]] = {}
+    for r, state in run.ranks.items():
+        known, call = _in_flight(state)
+        if not known:
+            continue
+        site = call[1] if call else None
+        groups.setdefault(site, []).append(r)
+        if call:
+            calls[r] = call
+    if len(groups) < 2 or not calls:
         return None
-    peers_now: dict[int, CollectiveEntry] = {}
-    for r, ev in _latest_evidence(run).items():
-        if r not in dying and ev.collectives:
-            peers_now[r] = ev.collectives[-1]
-    sites = {site for _, site, _ in dying.values()}
-    culprits = sorted(r for r, (op, site, _) in dying.items()
-                      if not any(e.origin.startswith(site.split(" in ")[0]) for e in peers_now.values()))
-    if not culprits or (len(sites) == 1 and len(dying) == len(run.ranks)):
+    biggest = max(len(v) for v in groups.values())
+    culprits = sorted(r for r in calls if len(groups[calls[r][1]]) < biggest
+                      or (len(groups[calls[r][1]]) == biggest and None in groups and len(groups[None]) == biggest
+                          and len(groups) == 2))
+    if not culprits:
         return None
-    op, site, failure = dying[culprits[0]]
-    peer_text = ""
+    op, site, numel = calls[culprits[0]]
+    failure = next((f for f in found if f.rank == culprits[0]), None)
+    others = sorted(r for site_, ranks in groups.items() if site_ != site for r in ranks)
+    phases = sorted({run.ranks[r].phase for r in others})
+    peers_now = {r: ev.collectives[-1] for r, ev in _latest_evidence(run).items() if r in others and ev.collectives}
     if peers_now:
         sample = next(iter(peers_now.values()))
         who = "DDP gradient allreduce" if sample.origin == "internal" else f"from {sample.origin}"
-        peer_text = f" while {ranks_text(sorted(peers_now))} were in collective #{sample.seq}, {sample.shape_text} ({who})"
-    summary = (f"{ranks_text(culprits).capitalize()} called {op} at {site}, a collective no other rank issued"
-               f"{peer_text}; the mismatch aborted it ({failure.cause}).")
-    ev = {"calls": {str(r): {"op": o, "callsite": s_} for r, (o, s_, _) in dying.items()},
+        peer_text = f"{ranks_text(others)} were in collective #{sample.seq}, {sample.shape_text} ({who})"
+    else:
+        peer_text = f"{ranks_text(others)} were not (phase {', '.join(phases)})"
+    size = f" of {numel} elements" if numel > 0 else ""
+    summary = (f"{ranks_text(culprits).capitalize()} called {op}{size} at {site}, a collective its peers "
+               f"did not issue: {peer_text}. The collectives paired with the wrong partner and the job aborted"
+               + (f" ({failure.cause})." if failure else "."))
+    step = run.ranks[culprits[0]].step
+    ev = {"calls": {str(r): {"op": c[0], "callsite": c[1], "numel": c[2]} for r, c in calls.items()},
+          "others": {str(r): {"phase": run.ranks[r].phase, "step": run.ranks[r].step} for r in others},
           "peers": {str(r): {"sequence": e.seq, "op": e.op, "input_sizes": e.input_sizes, "origin": e.origin}
                     for r, e in peers_now.items()}}
-    return verdict("collective_mismatch", culprits, failure.step, failure.at, now, summary, ev)
+    first = min((f.at for f in found), default=now)
+    return verdict("collective_mismatch", culprits, step, first, now, summary, ev)
 
 
 # -- collective marks ------------------------------------------------------------

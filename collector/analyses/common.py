@@ -112,6 +112,17 @@ def _short(path: str) -> str:
     return os.path.basename(path)
 
 
+def located(run, ranks: Iterable[int]) -> str:
+    """'rank 3 (host a, node 1)': where the culprit runs, for multi-node jobs."""
+    ranks = sorted(ranks)
+    places = []
+    for r in ranks[:4]:
+        state = run.ranks.get(r)
+        if state is not None and state.host:
+            places.append(f"rank {r} on {state.host}" + (f" node {state.node_rank}" if state.node_rank else ""))
+    return "; ".join(places)
+
+
 def ranks_text(ranks: Iterable[int]) -> str:
     ranks = sorted(ranks)
     if len(ranks) == 1:

@@ -17,7 +17,7 @@ from typing import Optional
 from rankwatch import wire
 
 from ..state import RankState, RunState
-from .common import ranks_text, verdict, where
+from .common import located, ranks_text, verdict, where
 
 # Failures that are the consequence of a peer's failure (or of a collective
 # mismatch, which collective_mismatch explains).
@@ -139,7 +139,7 @@ def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
             first.phase = "unknown"
     culprits = [f for f in causes if f.at - first.at <= SAME_CAUSE_WINDOW]
     victims = [f for f in found if f not in culprits]
-    summary = f"{ranks_text(f.rank for f in culprits).capitalize()} crashed first: {first.cause}"
+    summary = f"{ranks_text(f.rank for f in culprits).capitalize()} ({located(run, [first.rank])}) crashed first: {first.cause}"
     if first.step is not None:
         summary += f" (step {first.step}" + (f", phase {first.phase})" if first.phase not in ("", "unknown") else ")")
     last_stack = next((ev.main_stack for ev in culprit_state.evidence.values() if ev.main_stack), [])
@@ -155,5 +155,6 @@ def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
             for f in found
         ],
         "traceback": first.traceback,
+        "hosts": {str(f.rank): run.ranks[f.rank].host for f in culprits},
     }
     return [verdict("crash", [f.rank for f in culprits], first.step, first.at, max(now, first.at), summary, evidence)]

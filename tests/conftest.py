@@ -1,0 +1,78 @@
+"""Shared helpers: run real `rankwatch run` jobs (gloo, CPU) and read their report."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ROOT / "examples" / "train.py"
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+
+@dataclass
+class Job:
+    exit_code: int
+    report: dict
+    output: str
+    elapsed: float
+    run_dir: Path
+
+    def verdicts(self, kind: str | None = None) -> list[dict]:
+        return [v for v in self.report.get("verdicts", []) if kind is None or v["kind"] == kind]
+
+    def only(self, kind: str) -> dict:
+        found = self.verdicts(kind)
+        assert found, f"no {kind} verdict; report:\n{json.dumps(self.report, indent=1)[:3000]}\n{self.output[-3000:]}"
+        return found[0]
+
+
+def worker_env(extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    env.pop("RANKWATCH_RUN_ID", None)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def run_job(tmp_path: Path, args: list[str], timeout: float = 180, env: dict | None = None,
+            run_dir: Path | None = None) -> Job:
+    run_dir = run_dir or (tmp_path / "run")
+    cmd = [sys.executable, "-m", "rankwatch.cli", "run", "--run-dir", str(run_dir), *args]
+    started = time.time()
+    proc = subprocess.run(cmd, cwd=tmp_path, env=worker_env(env), capture_output=True, text=True, timeout=timeout)
+    elapsed = time.time() - started
+    report_file = run_dir / "report.json"
+    output = proc.stdout + proc.stderr
+    assert report_file.is_file(), f"no report.json (exit {proc.returncode}):\n{output[-4000:]}"
+    return Job(proc.returncode, json.loads(report_file.read_text()), output, elapsed, run_dir)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.05, what: str = "condition"):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@pytest.fixture
+def train_script() -> Path:
+    return TRAIN

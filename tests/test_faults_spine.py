@@ -1,0 +1,111 @@
+"""Fault injection in real multi-process DDP jobs (gloo, CPU): each test
+injects one fault on one rank of an unmodified training script and asserts
+the verdict kind and the culprit rank, as a user would read report.json."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+
+from conftest import SCRIPTS, run_job
+
+
+def _t(text: str) -> float:
+    return dt.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def test_hang_in_compute_names_the_stuck_rank_not_a_victim(tmp_path, train_script):
+    job = run_job(tmp_path, ["--nproc-per-node", "4", "--hang-timeout", "8", str(train_script),
+                             "--steps", "40", "--fault", "hang", "--fault-rank", "2", "--fault-step", "6"])
+    assert job.exit_code != 0, "rankwatch ends a hung job (--on-hang abort)"
+    assert job.report["status"] == "faulty"
+    hang = job.only("hang")
+    assert hang["ranks"] == [2]
+    assert hang["step"] == 6
+    assert "train.py" in hang["summary"] and "sleep" in hang["summary"]
+    # Contract: the verdict arrives within hang-timeout + 5 s of the last progress.
+    assert _t(hang["detected_at"]) - _t(hang["first_seen_at"]) <= 8 + 5
+    assert hang["evidence"]["ranks"]["0"]["collective_seq"]["0"] > hang["evidence"]["ranks"]["2"]["collective_seq"]["0"]
+    assert all(v["ranks"] == [2] for v in job.verdicts()), job.verdicts()
+
+
+def test_hang_with_adaptive_timeout_within_a_minute(tmp_path, train_script):
+    job = run_job(tmp_path, ["--nproc-per-node", "2", str(train_script), "--steps", "60",
+                             "--fault", "hang", "--fault-rank", "0", "--fault-step", "12"])
+    hang = job.only("hang")
+    assert hang["ranks"] == [0]
+    assert _t(hang["detected_at"]) - _t(hang["first_seen_at"]) <= 60
+    assert job.exit_code != 0
+
+
+def test_hang_inside_a_dataloader_worker(tmp_path, train_script):
+    job = run_job(tmp_path, ["--nproc-per-node", "2", "--hang-timeout", "8", str(train_script),
+                             "--steps", "30", "--workers", "2", "--fault", "dataloader_hang",
+                             "--fault-rank", "1", "--fault-step", "4"])
+    hang = job.only("hang")
+    assert hang["ranks"] == [1]
+    assert hang["step"] == 4
+    assert "DataLoader" in hang["summary"]
+
+
+def test_hang_in_a_different_model_with_accumulation(tmp_path):
+    job = run_job(tmp_path, ["--nproc-per-node", "2", "--hang-timeout", "8", str(SCRIPTS / "cnn_accum.py"),
+                             "--hang-rank", "1", "--hang-step", "3"])
+    hang = job.only("hang")
+    assert hang["ranks"] == [1]
+    assert hang["step"] == 3
+
+
+def test_rank_leaving_the_loop_for_a_barrier(tmp_path, train_script):
+    job = run_job(tmp_path, ["--nproc-per-node", "4", "--hang-timeout", "8", str(train_script),
+                             "--steps", "30", "--fault", "leave_loop", "--fault-rank", "3", "--fault-step", "5"])
+    assert job.report["verdicts"][0]["kind"] == "collective_mismatch"
+    assert job.report["verdicts"][0]["ranks"] == [3]
+    assert "barrier" in job.report["verdicts"][0]["summary"]
+    assert all(v["ranks"] == [3] for v in job.verdicts()), "no victim is blamed"
+
+
+def test_exception_on_one_rank(tmp_path, train_script):
+    job = run_job(tmp_path, ["--nproc-per-node", "4", str(train_script), "--steps", "30",
+                             "--fault", "crash", "--fault-rank", "1", "--fault-step", "5"])
+    assert job.exit_code != 0
+    crash = job.only("crash")
+    assert crash["ranks"] == [1]
+    assert crash["step"] == 5
+    assert "RuntimeError" in crash["summary"] and "bad batch" in crash["summary"]
+    assert len(job.verdicts()) == 1
+
+
+def test_sigkill_on_one_rank(tmp_path, train_script):
+    job = run_job(tmp_path, ["--nproc-per-node", "2", str(train_script), "--steps", "30",
+                             "--fault", "sigkill", "--fault-rank", "1", "--fault-step", "7"])
+    assert job.exit_code != 0
+    crash = job.only("crash")
+    assert crash["ranks"] == [1]
+    assert crash["step"] == 7
+    assert "SIGKILL" in crash["summary"]
+
+
+@pytest.mark.parametrize("fault,size", [("extra_small", 8), ("extra_large", 1_000_000), ("extra_same", 82689)])
+def test_extra_collective_on_one_rank(tmp_path, train_script, fault, size):
+    """82689 = the model's parameter count: the extra all_reduce has the size
+    of DDP's only gradient bucket, so gloo pairs it off silently."""
+    job = run_job(tmp_path, ["--nproc-per-node", "4", "--hang-timeout", "8", str(train_script),
+                             "--steps", "30", "--fault", fault, "--fault-size", str(size),
+                             "--fault-rank", "2", "--fault-step", "5"])
+    first = job.report["verdicts"][0]
+    assert first["kind"] == "collective_mismatch", job.report
+    assert first["ranks"] == [2]
+    assert first["step"] == 5
+    assert "train.py:" in first["summary"]
+    assert all(v["ranks"] == [2] for v in job.verdicts()), "no victim is blamed"
+
+
+def test_extra_collective_two_ranks_no_majority(tmp_path, train_script):
+    job = run_job(tmp_path, ["--nproc-per-node", "2", "--hang-timeout", "8", str(train_script),
+                             "--steps", "30", "--fault", "extra_same", "--fault-size", "82689",
+                             "--fault-rank", "1", "--fault-step", "5"])
+    first = job.report["verdicts"][0]
+    assert first["kind"] == "collective_mismatch"
+    assert first["ranks"] == [1]
