@@ -188,14 +188,17 @@ class Agent:
         self.ddp_modules.append(ddp)
         ddp.register_forward_pre_hook(self.progress.on_forward)
         self.progress.set_phase("setup")
-        for factory in _DDP_EXTENSIONS:
-            ext = factory(self, ddp)
+        from . import fingerprints, grad_checks
+
+        for attach in (grad_checks.attach, fingerprints.attach):
+            ext = attach(self, ddp)
             if ext is not None:
                 self.extensions.append(ext)
 
     # -- events --------------------------------------------------------------------
-    def record_event(self, kind: str, **details: Any) -> wire.Event:
-        event = wire.Event(kind=kind, at=time.time(), step=self.progress.step, details=details)
+    def record_event(self, kind: str, step: Optional[int] = None, **details: Any) -> wire.Event:
+        event = wire.Event(kind=kind, at=time.time(), step=self.progress.step if step is None else step,
+                           details=details)
         with self._lock:
             self.events_log.append(event)
             self._unsent_events.append(event)
@@ -315,12 +318,3 @@ class Agent:
             bundle_mod.deliver(self, archive, command.incident)
         except Exception as exc:
             log(f"bundle for {command.incident} failed: {type(exc).__name__}: {exc}")
-
-
-# Factories called with (agent, ddp) for every DDP model; registered by the
-# optional parts (gradient checks, fingerprints) so the runtime stays small.
-_DDP_EXTENSIONS: list = []
-
-
-def register_ddp_extension(factory) -> None:
-    _DDP_EXTENSIONS.append(factory)

@@ -27,6 +27,7 @@ from .store import Store
 
 log = logging.getLogger("rankwatch.collector")
 
+MAX_EVENTS = 10_000  # per rank, newest kept
 _SAFE_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
 
@@ -47,7 +48,7 @@ class _RunRuntime:
     first_detected: dict[tuple[str, str], str] = field(default_factory=dict)
     verdicts: list[wire.Verdict] = field(default_factory=list)
     abort_sent: bool = False
-    mismatch_incident: bool = False
+    dumped_kinds: set = field(default_factory=set)
     run_dir: Optional[Path] = None
 
 
@@ -149,11 +150,20 @@ class Collector:
             for mark in hb.marks:
                 state.marks[mark.step] = mark.seqs
             for event in hb.events:
+                if event.kind == "step_values":
+                    # Read a step late on a GPU (no sync): fill the step's record.
+                    record = state.steps.get(event.step)
+                    for name in ("grad_norm", "loss"):
+                        value = event.details.get(name)
+                        if record is not None and isinstance(value, (int, float)) and getattr(record, name) is None:
+                            setattr(record, name, float(value))
+                    continue
                 state.events.append(event)
                 if event.kind == "exit" and state.exit_code is None:
                     code = event.details.get("exit_code")
                     if isinstance(code, int):
                         state.exit_code, state.exited_at = code, event.at
+            del state.events[:-MAX_EVENTS]
             state.fingerprints.extend(hb.fingerprints)
             del state.fingerprints[:-256]
             if progressed and hb.phase != "exited":
@@ -194,17 +204,20 @@ class Collector:
         return wire.Reply(commands=commands)
 
     def ingest_bundle(self, data: bytes, run_hint: str = "", now: Optional[float] = None) -> dict[str, Any]:
-        now = now or time.time()
+        try:
+            return self._ingest_bundle(data, run_hint, now or time.time())
+        except RequestError:
+            self.bundles_rejected += 1
+            raise
+
+    def _ingest_bundle(self, data: bytes, run_hint: str, now: float) -> dict[str, Any]:
         try:
             bundle = unpack(data)
         except BundleError as exc:
-            self.bundles_rejected += 1
             raise RequestError(f"bundle rejected: {exc}") from None
         if run_hint and bundle.manifest.run_id != run_hint:
-            self.bundles_rejected += 1
             raise RequestError("bundle's run id does not match the request's")
         if not _SAFE_ID.match(bundle.manifest.incident or "x"):
-            self.bundles_rejected += 1
             raise RequestError(f"invalid incident id {bundle.manifest.incident!r}")
         with self._lock:
             run = self._run(bundle.manifest.run_id, bundle.manifest.world_size)
@@ -278,6 +291,21 @@ class Collector:
         log.info("run %s: %s incident %s opened; evidence requested from ranks %s",
                  run.run_id, reason, incident.id, incident.requested_ranks)
 
+    def _act_on(self, run: RunState, v: wire.Verdict, now: float) -> None:
+        """The configured action for a new verdict: report, dump or abort."""
+        action = getattr(self.config, f"on_{v.kind}", "report")
+        rt = self._runtime(run.run_id)
+        if action in ("dump", "abort") and v.kind not in rt.dumped_kinds:
+            rt.dumped_kinds.add(v.kind)
+            incident = Incident(id=f"{v.kind}-{len(run.incidents) + 1}", kind=v.kind, opened_at=now,
+                                last_progress_at=run.last_progress_seen_at, requested_ranks=self._live_ranks(run),
+                                deadline=now + self.config.evidence_window, details={"abort": action == "abort"})
+            self._open_incident(run, incident, v.kind)
+        if v.kind == "nonfinite" and self.config.anomaly_mode_on_nonfinite:
+            for rank in v.ranks:
+                rt.agent_commands.setdefault(rank, []).append(wire.Command(
+                    kind="action", reason="nonfinite", details={"action": "detect_anomaly"}))
+
     def _close_incidents(self, run: RunState, now: float) -> None:
         for incident in run.incidents:
             if incident.ready:
@@ -291,7 +319,7 @@ class Collector:
                 incident.details["diagnosed_at"] = now
                 incident.details["evidence_from"] = sorted(have)
                 self.store.save_incident(run.run_id, incident)
-                if incident.kind == "hang" and run.on_hang == "abort":
+                if (incident.kind == "hang" and run.on_hang == "abort") or incident.details.get("abort"):
                     run.aborted = f"rankwatch aborted the job after diagnosing incident {incident.id}"
                     self._runtime(run.run_id).abort_sent = True
 
@@ -308,12 +336,8 @@ class Collector:
                         callback(run.run_id, v)
                     except Exception:
                         log.exception("verdict callback failed")
-                if v.kind == "collective_mismatch" and not rt.mismatch_incident and not run.finished:
-                    rt.mismatch_incident = True
-                    self._open_incident(run, Incident(
-                        id=f"mismatch-{len(run.incidents) + 1}", kind="collective_mismatch", opened_at=now,
-                        last_progress_at=run.last_progress_seen_at, requested_ranks=self._live_ranks(run),
-                        deadline=now + self.config.evidence_window), "collective_mismatch")
+                if not run.finished:
+                    self._act_on(run, v, now)
             v.detected_at = rt.first_detected[key]
             self.store.save_verdict(run.run_id, v)
         rt.verdicts = found

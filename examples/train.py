@@ -47,6 +47,9 @@ def main():
     p.add_argument("--fault-rank", type=int, default=1)
     p.add_argument("--fault-step", type=int, default=5)
     p.add_argument("--fault-size", type=int, default=0)
+    p.add_argument("--scaler", action="store_true", help="AMP GradScaler with an overflow every --overflow-every steps")
+    p.add_argument("--overflow-every", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=0, help="linear lr warm-up steps")
     a = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -56,6 +59,8 @@ def main():
                                     torch.nn.Linear(a.hidden, a.hidden), torch.nn.ReLU(),
                                     torch.nn.Linear(a.hidden, 1)))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / a.warmup)) if a.warmup else None
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if a.scaler else None
     is_faulty = rank == a.fault_rank
     hang_at = None
     if a.fault == "dataloader_hang" and is_faulty:
@@ -73,6 +78,8 @@ def main():
             if a.fault == "nan" and is_faulty and step == a.fault_step:
                 x = x.clone()
                 x[0, 0] = float("nan")
+            if a.fault == "spike" and is_faulty and step == a.fault_step:
+                x, y = x * 1e4, y * 1e4  # one bad batch on one rank
             ctx = model.no_sync() if micro < a.accum - 1 else torch.enable_grad()
             with ctx:
                 loss = torch.nn.functional.mse_loss(model(x), y)
@@ -82,11 +89,25 @@ def main():
                     raise RuntimeError("injected failure: bad batch")
                 if a.fault == "sigkill" and is_faulty and step == a.fault_step:
                     os.kill(os.getpid(), signal.SIGKILL)
-                loss.backward()
+                if scaler is not None:
+                    if a.overflow_every and step % a.overflow_every == a.overflow_every - 1 and rank == 0:
+                        loss = loss * float("inf")  # what an fp16 overflow looks like to the scaler
+                    scaler.scale(loss).backward()
+                else:
+                    loss.backward()
         if a.fault.startswith("extra_") and is_faulty and step == a.fault_step:
             size = a.fault_size or (8 if a.fault == "extra_small" else 1_000_000)
             dist.all_reduce(torch.ones(size))  # a collective only this rank issues
-        opt.step()
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        if sched is not None:
+            sched.step()
+        if a.fault == "perturb" and is_faulty and step == a.fault_step:
+            with torch.no_grad():  # a replica's weights change outside the training (e.g. bit flip)
+                next(model.parameters()).add_(torch.randn_like(next(model.parameters())) * 0.01)
         if a.step_time:
             time.sleep(a.step_time)
         if rank == 0 and step % 10 == 0:

@@ -16,6 +16,9 @@ from typing import Any, Mapping, Optional
 ENV_PREFIX = "RANKWATCH_"
 
 
+ACTIONS = ("report", "dump", "abort")
+
+
 class ConfigError(ValueError):
     pass
 
@@ -41,12 +44,23 @@ class Config:
     # Local-gradient checks before the allreduce (norm, finiteness).
     grad_checks: bool = True
     # Parameter fingerprints every N optimizer steps (0: off).
-    fingerprint_every: int = 50
+    fingerprint_every: int = 10
     # Collective sequence marks every N optimizer steps (detects an extra collective).
     collective_mark_every: int = 5
     # Record CUDA allocator history for memory snapshots (costly; off by default).
     memory_history: bool = False
     memory_history_max_entries: int = 100_000
+    # What the collector does on a verdict: report (only), dump (bundles from
+    # every rank), abort (bundles, then end the job). Hangs: see on_hang.
+    on_collective_mismatch: str = "dump"
+    on_nonfinite: str = "dump"
+    on_grad_spike: str = "report"
+    on_weight_divergence: str = "dump"
+    on_straggler: str = "dump"
+    on_memory_growth: str = "dump"
+    # On a nonfinite verdict, turn on autograd anomaly detection on the origin
+    # rank(s) only, so the next occurrence names the operation.
+    anomaly_mode_on_nonfinite: bool = True
     # Bound of the per-step metrics kept in memory and in bundles.
     metrics_window: int = 512
     # Bearer token the collector requires from agents (standalone service).
@@ -133,6 +147,9 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 def validate(config: Config) -> None:
     if config.on_hang not in ("abort", "wait"):
         raise ConfigError(f"on_hang must be 'abort' or 'wait', not {config.on_hang!r}")
+    for key in Config.keys():
+        if key.startswith("on_") and key != "on_hang" and getattr(config, key) not in ACTIONS:
+            raise ConfigError(f"{key} must be one of {ACTIONS}, not {getattr(config, key)!r}")
     if config.hang_timeout is not None and config.hang_timeout <= 0:
         raise ConfigError("hang_timeout must be positive seconds")
     if config.heartbeat_interval <= 0:

@@ -13,13 +13,16 @@ import datetime as _dt
 from rankwatch import wire
 
 from ..state import RunState
-from . import collective_mismatch, crash, hang
+from . import collective_mismatch, crash, grad_spike, hang, nonfinite, weight_divergence
 
 # Order matters only for reading: root causes first.
 ANALYSES = [
     collective_mismatch,
     hang,
     crash,
+    nonfinite,
+    grad_spike,
+    weight_divergence,
 ]
 
 
@@ -41,6 +44,23 @@ def _t(text: str) -> float:
 
 
 def explain_away(verdicts: list[wire.Verdict]) -> list[wire.Verdict]:
+    return _after_spikes(_after_mismatch(verdicts))
+
+
+def _after_spikes(verdicts: list[wire.Verdict]) -> list[wire.Verdict]:
+    """One rank's gradient spike, averaged into every replica, can blow every
+    rank's weights up a step later: a non-finite on all ranks after a spike
+    is the spike's consequence."""
+    spikes = [v for v in verdicts if v.kind == "grad_spike" and v.step is not None]
+    if not spikes:
+        return verdicts
+    first = min(v.step for v in spikes)
+    culprits = {r for v in spikes for r in v.ranks}
+    return [v for v in verdicts if not (v.kind == "nonfinite" and v.step is not None and v.step > first
+                                        and not set(v.ranks) <= culprits)]
+
+
+def _after_mismatch(verdicts: list[wire.Verdict]) -> list[wire.Verdict]:
     """A collective mismatch makes ranks hang or abort ("size doesn't match",
     "Connection closed by peer"). A hang or crash verdict that blames other
     ranks than the mismatch is blaming its victims: dropped. One that names

@@ -123,6 +123,11 @@ def located(run, ranks: Iterable[int]) -> str:
     return "; ".join(places)
 
 
+def verb(ranks, singular: str, plural: str) -> str:
+    """'holds' for one rank, 'hold' for several."""
+    return singular if len(list(ranks)) == 1 else plural
+
+
 def ranks_text(ranks: Iterable[int]) -> str:
     ranks = sorted(ranks)
     if len(ranks) == 1:

@@ -20,7 +20,7 @@ from rankwatch import wire
 
 from ..evidence import RankEvidence
 from ..state import Incident, RunState
-from .common import in_dataloader, located, ranks_text, verdict, waits_in_collective, where
+from .common import in_dataloader, located, ranks_text, verb, verdict, waits_in_collective, where
 
 
 def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
@@ -89,7 +89,7 @@ def diagnose(run: RunState, incident: Incident) -> Optional[wire.Verdict]:
         summary += "; see its native stack (py-spy) in the bundle"
     summary += f" (step {step}, phase {state.phase}; {located(run, culprits[:1])})."
     if others:
-        summary += f" {ranks_text(others).capitalize()} {'waits' if len(others) == 1 else 'wait'} for it."
+        summary += f" {ranks_text(others).capitalize()} {verb(others, 'waits', 'wait')} for it."
     stalled = max(0.0, incident.opened_at - incident.last_progress_at)
     details.update({
         "incident": incident.id,

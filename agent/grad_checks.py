@@ -1,0 +1,280 @@
+"""Local-gradient checks on every DDP model, before the allreduce.
+
+A DDP communication hook sees each gradient bucket while it still holds this
+rank's *local* gradients (``GradBucket.buffer()``). The hook computes one norm
+per bucket on the device (no sync), then runs the user's hook, or DDP's
+default allreduce. At the end of the step the norms are read: directly on the
+CPU; on CUDA through a non-blocking copy into pinned memory that is read one
+step later, when its event has completed. Nothing here syncs the device or
+adds a collective.
+
+When a norm is not finite, the parameters whose local gradient is not finite
+are named (only then, so the common path stays cheap). Under AMP's GradScaler
+an overflow step that the scaler skips is normal and is only counted.
+
+A user hook registered with ``register_comm_hook`` is wrapped, not replaced.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+
+from rankwatch.wire import StepRecord
+
+from .safety import guarded, log
+
+if TYPE_CHECKING:
+    from .runtime import Agent
+
+_PATCHED = False
+MAX_NAMED = 8
+
+
+def _patch_register_comm_hook() -> None:
+    """Let users keep calling ``register_comm_hook``: their hook is wrapped."""
+    global _PATCHED
+    if _PATCHED:
+        return
+    from torch.nn.parallel import DistributedDataParallel
+
+    original = DistributedDataParallel.register_comm_hook
+
+    @functools.wraps(original)
+    def register_comm_hook(ddp, state, hook):
+        checker = getattr(ddp, "_rankwatch_grad_checker", None)
+        if checker is None or checker.registered:
+            return original(ddp, state, hook)
+        return checker.register(original, state, hook)
+
+    DistributedDataParallel.register_comm_hook = register_comm_hook
+    DistributedDataParallel._rankwatch_original_register_comm_hook = original
+    _PATCHED = True
+
+
+class _DeferredRead:
+    """Device scalars -> host floats without a sync (CUDA: pinned copy + event)."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[Any, Any, Callable[[list[float]], None]]] = []
+
+    def submit(self, values: list[torch.Tensor], consume: Callable[[list[float]], None]) -> None:
+        if not values:
+            return
+        stacked = torch.stack([v.detach().float().reshape(()) for v in values])
+        if stacked.device.type == "cpu":
+            consume(stacked.tolist())
+            return
+        host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+        host.copy_(stacked, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self.pending.append((host, event, consume))
+
+    def poll(self) -> None:
+        still = []
+        for host, event, consume in self.pending:
+            if event.query():
+                consume(host.tolist())
+            else:
+                still.append((host, event, consume))
+        self.pending = still[-64:]
+
+
+class GradChecker:
+    def __init__(self, agent: "Agent", ddp) -> None:
+        self.agent = agent
+        self.ddp = ddp
+        self.registered = False
+        self.names = {id(p): n for n, p in ddp.module.named_parameters()}
+        self.order = {n: i for i, n in enumerate(self.names.values())}
+        self._norms: list[torch.Tensor] = []  # this step's local bucket norms (device)
+        self._param_norms: list[tuple[list[str], torch.Tensor]] = []  # CUDA only
+        self._bucket_params: dict[int, list[str]] = {}
+        self._nonfinite_params: list[str] = []
+        self._hooks_this_step = 0
+        self._last_bucket_step = -1
+        self.reader = _DeferredRead()
+        self.scaler_in_use = False
+        self.skipped_overflow_steps = 0
+        self._lock = threading.Lock()
+        self.zero_grad_params: Optional[set[str]] = None
+        ddp._rankwatch_grad_checker = self
+        _patch_register_comm_hook()
+        ddp.register_forward_pre_hook(self._register_default_before_first_forward)
+        agent.progress.step_extras.append(self._on_step_end)
+
+    # -- registration -------------------------------------------------------------
+    def _register_default_before_first_forward(self, module, inputs) -> None:
+        if self.registered:
+            return
+        try:
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+            original = type(self.ddp)._rankwatch_original_register_comm_hook
+            self.register(original, None, allreduce_hook)
+        except Exception as exc:  # a built-in C++ hook is already there, or DDP refused
+            self.registered = True
+            log(f"local gradient checks off for this model: {type(exc).__name__}: {exc}")
+
+    def register(self, original_register, state, user_hook):
+        self.registered = True
+        checker = self
+
+        @functools.wraps(user_hook)
+        def checked_hook(hook_state, bucket):
+            checker._inspect(bucket)
+            return user_hook(hook_state, bucket)
+
+        return original_register(self.ddp, state, checked_hook)
+
+    # -- inside the hook (autograd thread) --------------------------------------
+    @guarded("grad_checks.hook")
+    def _inspect(self, bucket) -> None:
+        buffer = bucket.buffer()
+        index = bucket.index()
+        if buffer.device.type == "cpu":
+            norm = torch.linalg.vector_norm(buffer)
+        else:
+            # On a GPU the values are read a step later, when the local
+            # gradients are gone: keep per-parameter norms (one fused kernel)
+            # so a non-finite one can still be named.
+            per_param = torch.stack(torch._foreach_norm(bucket.gradients()))
+            norm = torch.linalg.vector_norm(per_param)
+            self._param_norms.append(([self.names.get(id(p), "?") for p in bucket.parameters()], per_param))
+        if index == 0:
+            step = self.agent.progress.step
+            if self._last_bucket_step == step and self._norms:
+                # A second backward without an optimizer step: the previous one
+                # was skipped (GradScaler overflow, or the script's choice).
+                self._previous_step_skipped()
+            self._last_bucket_step = step
+        self._norms.append(norm)
+        if bucket.is_last():
+            self.agent.progress.on_backward_done(_now())
+        if norm.device.type == "cpu" and not math.isfinite(float(norm)):
+            self._name_nonfinite(bucket)
+
+    def _name_nonfinite(self, bucket) -> None:
+        """Only on the rare bad step: which parameters' local gradients are not finite."""
+        bad = []
+        for param, grad in zip(bucket.parameters(), bucket.gradients()):
+            if not bool(torch.isfinite(grad).all()):
+                bad.append(self.names.get(id(param), f"<param {tuple(param.shape)}>"))
+        with self._lock:
+            for name in bad:
+                if name not in self._nonfinite_params:
+                    self._nonfinite_params.append(name)
+
+    def _previous_step_skipped(self) -> None:
+        norms, self._norms = self._norms, []
+        named, self._nonfinite_params = self._nonfinite_params, []
+        self._param_norms = []
+        values = [float(n) for n in norms if n.device.type == "cpu"]
+        if not values or not all(math.isfinite(v) for v in values):
+            self.skipped_overflow_steps += 1
+            self.agent.record_event("overflow_skipped", scaler=self.scaler_in_use, parameters=named[:MAX_NAMED])
+
+    # -- end of step (training thread) ------------------------------------------------
+    @guarded("grad_checks.step")
+    def _on_step_end(self, record: StepRecord) -> None:
+        self.reader.poll()
+        norms, self._norms = self._norms, []
+        named, self._nonfinite_params = self._nonfinite_params, []
+        named.sort(key=lambda n: self.order.get(n, 1 << 30))  # model order, not bucket order
+        if not norms:
+            return
+        if norms[0].device.type == "cpu":
+            values = [float(n) for n in norms]
+            self._fill(record, values, named)
+            return
+        # CUDA: the record goes out now; the values follow as an event a step later.
+        step = record.step
+        param_norms, self._param_norms = self._param_norms, []
+        names = [n for group, _ in param_norms for n in group]
+        loss = self.agent.progress._loss
+        tensors = list(norms) + [t for _, t in param_norms]
+        sizes = [len(norms)] + [len(group) for group, _ in param_norms]
+        if loss is not None and getattr(loss, "numel", lambda: 0)() == 1:
+            tensors.append(loss.detach().reshape(()))
+
+        def consume(values: list[float], step=step) -> None:
+            bucket_values = values[: sizes[0]]
+            flat = []
+            at = sizes[0]
+            for size in sizes[1:]:
+                flat.extend(values[at: at + size])
+                at += size
+            loss_value = values[at] if len(values) > at else None
+            bad = [i for i, v in enumerate(bucket_values) if not math.isfinite(v)]
+            total = math.sqrt(sum(v * v for v in bucket_values)) if not bad else math.nan
+            self.agent.record_event("step_values", step=step, grad_norm=total, loss=loss_value)
+            if bad or (loss_value is not None and not math.isfinite(loss_value)):
+                named_bad = [n for n, v in zip(names, flat) if not math.isfinite(v)]
+                self.agent.record_event("nonfinite", step=step, source="local_gradients" if bad else "loss",
+                                        parameters=named_bad[:MAX_NAMED], buckets=bad, loss=loss_value,
+                                        scaler=self.scaler_in_use)
+
+        self.reader.submit(tensors, consume)
+
+    def _fill(self, record: StepRecord, values: list[float], named: list[str]) -> None:
+        bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
+        record.grad_norm = math.sqrt(sum(v * v for v in values)) if not bad else math.nan
+        record.nonfinite_grads = len(bad)
+        if bad or (record.loss is not None and not math.isfinite(record.loss)):
+            self.agent.record_event(
+                "nonfinite",
+                source="local_gradients" if bad else "loss",
+                parameters=named[:MAX_NAMED],
+                buckets=bad,
+                loss=record.loss,
+                scaler=self.scaler_in_use,
+            )
+
+    def on_command(self, command) -> None:
+        if command.details.get("action") == "detect_anomaly":
+            torch.autograd.set_detect_anomaly(True)
+            self.agent.record_event("anomaly_mode", enabled=True, reason=command.reason)
+            log("autograd anomaly detection turned on for this rank (requested by the collector)")
+
+
+def _now() -> float:
+    import time
+
+    return time.time()
+
+
+_CHECKERS: list[GradChecker] = []
+
+
+def _patch_grad_scaler() -> None:
+    """Under GradScaler, an overflow step it skips is normal: know it is there."""
+    try:
+        from torch.amp.grad_scaler import GradScaler
+    except ImportError:
+        return
+    if getattr(GradScaler.scale, "__rankwatch_wrapped__", False):
+        return
+    original = GradScaler.scale
+
+    @functools.wraps(original)
+    def scale(scaler, outputs):
+        for checker in _CHECKERS:
+            checker.scaler_in_use = True
+        return original(scaler, outputs)
+
+    scale.__rankwatch_wrapped__ = True  # type: ignore[attr-defined]
+    GradScaler.scale = scale
+
+
+def attach(agent: "Agent", ddp) -> Optional[GradChecker]:
+    if not agent.config.grad_checks:
+        return None
+    checker = GradChecker(agent, ddp)
+    _CHECKERS.append(checker)
+    _patch_grad_scaler()
+    return checker

@@ -1,0 +1,76 @@
+"""Numerical health, checked on local gradients before the allreduce, in real
+multi-rank DDP jobs (gloo, CPU)."""
+
+from __future__ import annotations
+
+from conftest import run_job
+
+
+def test_nan_in_one_ranks_batch_names_origin_step_and_parameter(tmp_path, train_script):
+    job = run_job(tmp_path, ["--nproc-per-node", "4", str(train_script), "--steps", "20",
+                             "--fault", "nan", "--fault-rank", "3", "--fault-step", "6"])
+    nonfinite = job.only("nonfinite")
+    assert nonfinite["ranks"] == [3], "the origin, not every rank the average contaminated"
+    assert nonfinite["step"] == 6
+    assert nonfinite["evidence"]["parameters"][0] == "0.weight"
+    assert "0.weight" in nonfinite["summary"]
+    assert len(job.verdicts()) == 1
+    # The origin rank was switched to autograd anomaly mode, and only it.
+    assert (job.run_dir / "report.json").exists()
+
+
+def test_one_ranks_batch_scaled_is_a_grad_spike_on_that_rank_only(tmp_path, train_script):
+    job = run_job(tmp_path, ["--nproc-per-node", "4", str(train_script), "--steps", "25",
+                             "--fault", "spike", "--fault-rank", "1", "--fault-step", "12"])
+    spike = job.only("grad_spike")
+    assert spike["ranks"] == [1]
+    assert spike["step"] == 12
+    assert all(v["ranks"] == [1] for v in job.verdicts()), \
+        f"the post-allreduce blow-up on every rank is not blamed on all: {job.verdicts()}"
+
+
+def test_perturbed_replica_is_weight_divergence(tmp_path, train_script):
+    job = run_job(tmp_path, ["--nproc-per-node", "4", str(train_script), "--steps", "25",
+                             "--fault", "perturb", "--fault-rank", "2", "--fault-step", "7"])
+    divergence = job.only("weight_divergence")
+    assert divergence["ranks"] == [2]
+    assert divergence["step"] >= 7
+    assert "0.weight" in divergence["summary"]
+
+
+def test_user_comm_hook_still_runs(tmp_path):
+    script = tmp_path / "hooked.py"
+    script.write_text(
+        "import torch, torch.distributed as dist\n"
+        "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+        "from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook\n"
+        "dist.init_process_group('gloo')\n"
+        "calls = []\n"
+        "def my_hook(state, bucket):\n"
+        "    calls.append(bucket.index())\n"
+        "    return allreduce_hook(state, bucket)\n"
+        "model = DDP(torch.nn.Linear(8, 8))\n"
+        "model.register_comm_hook(None, my_hook)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for step in range(6):\n"
+        "    opt.zero_grad(); model(torch.randn(4, 8)).sum().backward(); opt.step()\n"
+        "assert len(calls) == 6, calls\n"
+        "print('HOOK_CALLS', len(calls), flush=True)\n"
+        "dist.destroy_process_group()\n")
+    job = run_job(tmp_path, ["--nproc-per-node", "2", str(script)])
+    assert job.exit_code == 0, job.output[-3000:]
+    assert job.output.count("HOOK_CALLS 6") == 2
+    assert job.report["status"] == "healthy"
+    from rankwatch.collector.offline import load
+
+    run, _ = load(job.run_dir)
+    missing = [(s.rank, r.step) for s in run.ranks.values() for r in s.steps.values() if r.grad_norm is None]
+    assert not missing, \
+        f"local gradient norms were measured through the user's hook: {missing}"
+
+
+def test_healthy_run_with_grad_scaler_overflows_and_warmup(tmp_path, train_script):
+    job = run_job(tmp_path, ["--nproc-per-node", "2", str(train_script), "--steps", "40", "--scaler",
+                             "--overflow-every", "6", "--warmup", "10", "--seed", "3"])
+    assert job.exit_code == 0, job.output[-3000:]
+    assert job.report["verdicts"] == [], job.report

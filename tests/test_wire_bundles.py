@@ -1,0 +1,105 @@
+"""The wire format and the bundle archive refuse bad input with a clear
+message and never evaluate or unpickle anything."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+import time
+
+import pytest
+
+from rankwatch import wire
+from rankwatch.bundles import BundleError, pack, read_path, unpack
+from rankwatch.redact import REDACTED, redact_env, redact_text
+
+
+def _manifest(**kw) -> wire.BundleManifest:
+    base = dict(run_id="r1", rank=1, local_rank=1, world_size=2, host="h", pid=1, step=3,
+                created_at=time.time(), reason="hang", incident="hang-1")
+    base.update(kw)
+    return wire.BundleManifest(**base)
+
+
+def test_heartbeat_round_trip():
+    hb = wire.Heartbeat(identity=wire.RankIdentity(run_id="r", rank=1, local_rank=1, world_size=2),
+                        sent_at=1.0, step=4, steps=[wire.StepRecord(step=3, started_at=1.0, ended_at=2.0, loss=0.5)],
+                        marks=[wire.CollectiveMark(step=0, seqs={"0": 7})])
+    back = wire.loads(wire.Heartbeat, wire.dumps(hb))
+    assert back == hb
+
+
+@pytest.mark.parametrize("payload,needle", [
+    (b"{not json", "not valid JSON"),
+    (json.dumps({"sent_at": 1}).encode(), "missing field 'identity'"),
+    (json.dumps({"identity": {"run_id": "r", "rank": "one", "local_rank": 0, "world_size": 2}, "sent_at": 1}).encode(),
+     "identity.rank: expected an integer"),
+    (json.dumps({"identity": {"run_id": "r", "rank": 0, "local_rank": 0, "world_size": 2}, "sent_at": 1,
+                 "version": 99}).encode(), "unsupported version"),
+    (json.dumps({"identity": {"run_id": "r", "rank": 0, "local_rank": 0, "world_size": 2}, "sent_at": 1,
+                 "steps": [{}] * 20000}).encode(), "exceed the limit"),
+])
+def test_decode_rejects_bad_messages(payload, needle):
+    with pytest.raises(wire.WireError) as err:
+        wire.loads(wire.Heartbeat, payload)
+    assert needle in str(err.value)
+
+
+def test_bundle_round_trip_keeps_pickle_opaque(tmp_path):
+    archive = pack(_manifest(), {"stacks.json": [{"main": True, "frames": []}],
+                                 "memory_snapshot.pickle": b"\x80\x04 not for us", "notes.txt": "hello"})
+    bundle = unpack(archive)
+    assert bundle.manifest.rank == 1 and bundle.manifest.reason == "hang"
+    assert bundle.get("stacks.json")[0]["main"] is True
+    assert bundle.opaque_members == {"memory_snapshot.pickle": len(b"\x80\x04 not for us")}
+    assert "memory_snapshot.pickle" not in bundle.json_members and "memory_snapshot.pickle" not in bundle.text_members
+    path = tmp_path / "b.tar.gz"
+    path.write_bytes(archive)
+    assert read_path(path).manifest.incident == "hang-1"
+
+
+def _tar(members: list[tarfile.TarInfo], blobs: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for info in members:
+            data = blobs.get(info.name)
+            tar.addfile(info, io.BytesIO(data) if data is not None else None)
+    return buf.getvalue()
+
+
+def test_bundle_rejects_path_traversal_and_links():
+    manifest = json.dumps(wire.to_dict(_manifest())).encode()
+    good = tarfile.TarInfo("manifest.json")
+    good.size = len(manifest)
+    evil = tarfile.TarInfo("../../etc/cron.d/x.json")
+    evil.size = 2
+    with pytest.raises(BundleError, match="refused"):
+        unpack(_tar([good, evil], {"manifest.json": manifest, evil.name: b"{}"}))
+    link = tarfile.TarInfo("stacks.json")
+    link.type = tarfile.SYMTYPE
+    link.linkname = "/etc/passwd"
+    with pytest.raises(BundleError, match="not a regular file"):
+        unpack(_tar([good, link], {"manifest.json": manifest}))
+
+
+def test_truncated_and_garbage_bundles_say_so():
+    archive = pack(_manifest(), {"stacks.json": [{"x": "y" * 5000}] * 50})
+    with pytest.raises(BundleError, match="truncated|unreadable"):
+        unpack(archive[: len(archive) // 2])
+    with pytest.raises(BundleError, match="unreadable"):
+        unpack(b"definitely not a tarball")
+    with pytest.raises(BundleError, match="no manifest"):
+        unpack(_tar([], {}))
+
+
+def test_secrets_never_leave_the_rank():
+    env = redact_env({"HF_TOKEN": "hf_abcdefghijklmnopqrstuvwx", "WANDB_API_KEY": "k" * 40,
+                      "DATABASE_URL": "postgres://user:hunter2@db/x", "RANK": "3", "PATH": "/usr/bin"})
+    assert env["HF_TOKEN"] == REDACTED and env["WANDB_API_KEY"] == REDACTED
+    assert "hunter2" not in env["DATABASE_URL"] and env["RANK"] == "3" and env["PATH"] == "/usr/bin"
+    assert "ghp_" not in redact_text("token ghp_abcdefghijklmnopqrstuvwxyz0123")
+    # The collector redacts again what it receives.
+    archive = pack(_manifest(), {"env.json": {"MY_SECRET": "s3cr3t", "URL": "https://a:b@host/"}})
+    env_back = unpack(archive).get("env.json")
+    assert env_back["MY_SECRET"] == REDACTED and "a:b@" not in env_back["URL"]
