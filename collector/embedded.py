@@ -15,6 +15,6 @@ from .service import Collector
 def start_embedded(config: Config, run_dir: Path) -> tuple[Collector, CollectorServer]:
     collector = Collector(config=config, data_dir=run_dir, run_dir_for=lambda _run_id: run_dir)
     server = CollectorServer(collector, host=config.bind, port=0, token=config.token)
-    collector.start()
+    collector.start(tick=0.5)
     server.start()
     return collector, server

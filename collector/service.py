@@ -28,6 +28,7 @@ from .store import Store
 log = logging.getLogger("rankwatch.collector")
 
 MAX_EVENTS = 10_000  # per rank, newest kept
+ANALYSIS_INTERVAL = 1.0
 _SAFE_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
 
@@ -49,6 +50,9 @@ class _RunRuntime:
     verdicts: list[wire.Verdict] = field(default_factory=list)
     abort_sent: bool = False
     dumped_kinds: set = field(default_factory=set)
+    dirty: bool = False
+    urgent: bool = False
+    analysed_at: float = 0.0
     run_dir: Optional[Path] = None
 
 
@@ -71,7 +75,7 @@ class Collector:
         self.on_verdict: list[Callable[[str, wire.Verdict], None]] = []
 
     # -- lifecycle ---------------------------------------------------------------
-    def start(self, tick: float = 0.25) -> None:
+    def start(self, tick: float = 0.5) -> None:
         self._thread = threading.Thread(target=self._loop, args=(tick,), name="rankwatch-collector", daemon=True)
         self._thread.start()
 
@@ -171,6 +175,8 @@ class Collector:
             self.store.save_heartbeat_data(run.run_id, ident.rank, hb)
             self.store.save_rank(run.run_id, state)
             commands = self._runtime(run.run_id).agent_commands.pop(ident.rank, [])
+            if hb.steps or hb.events or hb.marks or hb.fingerprints:
+                self._touch(run.run_id, urgent=any(e.kind in ("exception", "nonfinite") for e in hb.events))
         if self.metrics:
             self.metrics.observe_heartbeat(hb, now)
         return wire.Reply(commands=commands)
@@ -198,6 +204,8 @@ class Collector:
                     state.killed_by_rankwatch = rt.abort_sent
                     self.store.save_rank(run.run_id, state)
             commands = rt.node_commands.pop(key, [])
+            if any(not w.alive for w in node.workers):
+                self._touch(run.run_id)
             if rt.abort_sent and run.aborted:
                 commands.append(wire.Command(kind="abort", reason=run.aborted))
             self.store.save_run(run)
@@ -224,6 +232,7 @@ class Collector:
             path = self._save_bundle_file(run.run_id, bundle, data)
             bundle.source_path = str(path)
             merge_bundle(run, bundle)
+            self._touch(run.run_id, urgent=True)
             self.store.save_bundle(run.run_id, bundle.manifest, str(path), len(data), now)
             self.bundles_received += 1
         if self.metrics:
@@ -246,11 +255,22 @@ class Collector:
     def tick(self, now: float) -> None:
         with self._lock:
             for run in list(self.runs.values()):
+                rt = self._runtime(run.run_id)
                 if not run.finished:
                     self._watch_for_hang(run, now)
                     self._close_incidents(run, now)
-                self._analyse(run, now, final=False)
+                # The analyses read everything: run them when something new
+                # arrived, at most once a second (incidents always).
+                if rt.dirty and (now - rt.analysed_at >= ANALYSIS_INTERVAL or rt.urgent):
+                    rt.dirty = rt.urgent = False
+                    rt.analysed_at = now
+                    self._analyse(run, now, final=False)
             self.store.commit()
+
+    def _touch(self, run_id: str, urgent: bool = False) -> None:
+        rt = self._runtime(run_id)
+        rt.dirty = True
+        rt.urgent = rt.urgent or urgent
 
     def _live_ranks(self, run: RunState) -> list[int]:
         return sorted(r for r, s in run.ranks.items() if s.exit_code is None)
@@ -316,6 +336,7 @@ class Collector:
                            for r in incident.requested_ranks)
             if complete or now >= incident.deadline:
                 incident.ready = True
+                self._touch(run.run_id, urgent=True)
                 incident.details["diagnosed_at"] = now
                 incident.details["evidence_from"] = sorted(have)
                 self.store.save_incident(run.run_id, incident)

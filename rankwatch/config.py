@@ -43,6 +43,9 @@ class Config:
     evidence_window: float = 3.0
     # Local-gradient checks before the allreduce (norm, finiteness).
     grad_checks: bool = True
+    # Largest fraction of step time the gradient checks may take before they
+    # sample every N-th step (matters on CPUs; on GPUs they are asynchronous).
+    grad_check_budget: float = 0.005
     # Parameter fingerprints every N optimizer steps (0: off).
     fingerprint_every: int = 10
     # Collective sequence marks every N optimizer steps (detects an extra collective).

@@ -175,7 +175,8 @@ def run(argv: list[str]) -> int:
     node_rank = int(os.environ.get("GROUP_RANK", getattr(args, "node_rank", 0) or 0))
     supervisor = NodeSupervisor(run_id=run_id, run_dir=run_dir, post=remote.post, node_rank=node_rank,
                                 world_size=0, on_hang=cfg.on_hang, hang_timeout=cfg.hang_timeout,
-                                host=os.environ.get("RANKWATCH_HOST") or socket.gethostname())
+                                host=os.environ.get("RANKWATCH_HOST") or socket.gethostname(),
+                                expected_workers=_local_world_size(args))
     supervisor.start()
     _say(f"run {run_id}: collector {collector_url}{' (embedded)' if embedded else ''}, run dir {run_dir}")
 
@@ -275,6 +276,15 @@ def _wait_for_crash_bundles(collector, run_id: str, timeout: float = 3.0) -> Non
         if not pending:
             return
         time.sleep(0.1)
+
+
+def _local_world_size(args: argparse.Namespace) -> int:
+    try:
+        from torch.distributed.run import determine_local_world_size
+
+        return int(determine_local_world_size(args.nproc_per_node))
+    except Exception:
+        return 0
 
 
 def _say(message: str) -> None:

@@ -30,7 +30,6 @@ from .redact import redact_text
 
 FAULTHANDLER_SIGNAL = signal.SIGUSR2
 PYSPY_TIMEOUT = 8.0
-EXIT_POLL_INTERVAL = 0.02
 
 
 @dataclass
@@ -93,25 +92,10 @@ def _environ(pid: int) -> dict[str, str]:
     return env
 
 
-def _exit_status(pid: int) -> tuple[bool, Optional[int]]:
-    """(exited, exit code; negative = signal). Does not reap the child."""
-    try:
-        result = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:
-        return True, None  # already reaped by torchrun; it reports the code itself
-    except OSError:
-        return True, None
-    if result is None:
-        return False, None
-    if result.si_code == os.CLD_EXITED:
-        return True, result.si_status
-    return True, -result.si_status  # CLD_KILLED / CLD_DUMPED
-
-
 class NodeSupervisor:
     def __init__(self, run_id: str, run_dir: Path, post: Callable[[str, bytes, str], Any],
                  node_rank: int, world_size: int, on_hang: str, hang_timeout: Optional[float],
-                 host: Optional[str] = None, interval: float = 0.5):
+                 host: Optional[str] = None, interval: float = 0.5, expected_workers: int = 0):
         self.run_id = run_id
         self.run_dir = run_dir
         self.post = post  # (path, body, content type) -> decoded JSON reply; raises on failure
@@ -121,6 +105,7 @@ class NodeSupervisor:
         self.hang_timeout = hang_timeout
         self.host = host or socket.gethostname()
         self.interval = interval
+        self.expected_workers = expected_workers
         self.workers: dict[int, Worker] = {}
         self.aborted = False
         self._captured: set[str] = set()
@@ -128,7 +113,6 @@ class NodeSupervisor:
         self._thread: Optional[threading.Thread] = None
         self._pyspy = shutil.which("py-spy")
         self._lock = threading.Lock()
-        self._last_scan = 0.0
         self._post_mortems: list[threading.Thread] = []
 
     # -- lifecycle ---------------------------------------------------------------
@@ -140,57 +124,63 @@ class NodeSupervisor:
         self._stop.set()
         if self._thread:
             self._thread.join(timeout=5)
-        self.poll_workers()
         deadline = time.time() + 5.0
         for thread in self._post_mortems:  # the dead ranks' evidence goes in before the report
             thread.join(max(0.0, deadline - time.time()))
         self._report(finished=True)
 
     def _loop(self) -> None:
-        # Exit statuses are polled often: torchrun reaps a dead worker within
-        # its monitor interval (0.1 s) and then only keeps a whole-second time.
-        last_report = 0.0
-        while not self._stop.wait(EXIT_POLL_INTERVAL):
+        while not self._stop.wait(self.interval):
             try:
-                now = time.monotonic()
-                scan = now - self._last_scan >= self.interval
-                changed = self.poll_workers(scan_children=scan)
-                if changed or now - last_report >= self.interval:
-                    last_report = now
-                    self._report()
+                # /proc is scanned until every local worker is known (and again
+                # after torchrun restarts them).
+                complete = self.expected_workers and sum(w.alive for w in self.workers.values()) >= self.expected_workers
+                if not complete:
+                    self.poll_workers()
+                self._report()
             except Exception as exc:
                 _log(f"supervisor error: {type(exc).__name__}: {exc}")
 
-    # -- watching ------------------------------------------------------------------
-    def poll_workers(self, scan_children: bool = True) -> bool:
-        """Find new local workers and record exits; True when something changed."""
-        changed = False
+    def _wait_for_exit(self, worker: Worker) -> None:
+        """Blocks until the worker exits (no polling, no CPU), reads its status
+        without reaping it (torchrun reaps it and still gets the code), and
+        reports at once."""
+        try:
+            result = os.waitid(os.P_PID, worker.pid, os.WEXITED | os.WNOWAIT)
+        except (ChildProcessError, OSError):
+            result = None
+        code: Optional[int] = None
+        if result is not None:
+            code = result.si_status if result.si_code == os.CLD_EXITED else -result.si_status
         with self._lock:
-            if scan_children:
-                self._last_scan = time.monotonic()
-            for pid in (_children(os.getpid()) if scan_children else ()):
+            worker.alive, worker.exit_code, worker.exited_at = False, code, time.time()
+        if code is None or code != 0:
+            thread = threading.Thread(target=self.post_mortem, args=(worker,), daemon=True)
+            thread.start()
+            self._post_mortems.append(thread)
+        try:
+            self._report()
+        except Exception:
+            pass
+
+    # -- watching ------------------------------------------------------------------
+    def poll_workers(self) -> None:
+        """Find new local workers (children of this launcher) and start a waiter for each."""
+        with self._lock:
+            for pid in _children(os.getpid()):
                 if pid in self.workers:
                     continue
                 env = _environ(pid)
                 if env.get("RANKWATCH_RUN_ID") != self.run_id or "RANK" not in env:
                     continue
-                changed = True
                 try:
-                    self.workers[pid] = Worker(pid=pid, rank=int(env["RANK"]), local_rank=int(env.get("LOCAL_RANK", 0)),
-                                               world_size=int(env.get("WORLD_SIZE", 0)))
+                    worker = Worker(pid=pid, rank=int(env["RANK"]), local_rank=int(env.get("LOCAL_RANK", 0)),
+                                    world_size=int(env.get("WORLD_SIZE", 0)))
                 except ValueError:
                     continue
-            for worker in self.workers.values():
-                if worker.alive:
-                    exited, code = _exit_status(worker.pid)
-                    if exited:
-                        worker.alive, worker.exit_code, worker.exited_at = False, code, time.time()
-                        changed = True
-                        if code is None or code != 0:
-                            thread = threading.Thread(target=self.post_mortem, args=(worker,), daemon=True)
-                            thread.start()
-                            self._post_mortems.append(thread)
-        return changed
+                self.workers[pid] = worker
+                threading.Thread(target=self._wait_for_exit, args=(worker,), name=f"rankwatch-wait-{worker.rank}",
+                                 daemon=True).start()
 
     def _report(self, finished: bool = False) -> None:
         with self._lock:
@@ -230,7 +220,6 @@ class NodeSupervisor:
         def escalate() -> None:
             deadline = time.time() + grace
             while time.time() < deadline:
-                self.poll_workers()
                 if not any(w.alive for w in live) and not any(_exists(p) for p in below):
                     return
                 time.sleep(0.1)

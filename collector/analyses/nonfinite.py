@@ -14,7 +14,7 @@ from typing import Any
 from rankwatch import wire
 
 from ..state import RunState
-from .common import ranks_text, verdict
+from .common import ranks_text, verb, verdict
 
 REPEATED_SKIPS = 20  # consecutive skipped overflow steps that make a verdict
 
@@ -53,7 +53,8 @@ def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
             summary += f"; first parameter(s) affected: {', '.join(params[:4])}"
         others = sorted(set(run.ranks) - set(origin))
         if others:
-            summary += f". {ranks_text(others).capitalize()} were finite at that step and were contaminated by the average"
+            summary += (f". {ranks_text(others).capitalize()} {verb(others, 'was', 'were')} finite at that step and "
+                        f"{verb(others, 'was', 'were')} contaminated by the average")
         summary += "."
         later = sorted(s for s in bad if s > step)
         evidence = {

@@ -1,0 +1,45 @@
+"""The benchmark's training job: plain DDP (no rankwatch import), prints the
+steady-state mean step time of rank 0."""
+
+import argparse
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=10)
+    a = p.parse_args()
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(a.layers):
+        layers += [torch.nn.Linear(a.width, a.width), torch.nn.ReLU()]
+    model = DDP(torch.nn.Sequential(*layers))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(a.batch, a.width)
+    times = []
+    for step in range(a.steps + a.warmup):
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        if step >= a.warmup:
+            times.append(time.perf_counter() - t0)
+    if dist.get_rank() == 0:
+        params = sum(p.numel() for p in model.parameters())
+        times.sort()
+        print(f"STEP_TIME {sum(times) / len(times):.6f} MEDIAN {times[len(times) // 2]:.6f} PARAMS {params}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
