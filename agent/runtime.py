@@ -78,7 +78,8 @@ class Agent:
         self._faulthandler_file = None
         self._fatal_file = None
         self.ddp_modules: list[Any] = []
-        self.extensions: list[Any] = []  # parts attached per DDP model (gradient checks, ...)
+        self.extensions: list[Any] = []  # parts that answer collector commands
+        self.memory = None
 
     # -- lifecycle ---------------------------------------------------------------
     @classmethod
@@ -91,10 +92,19 @@ class Agent:
         _current = self
         self.progress.read_collective_seqs = self.collectives.enqueued_seqs
         self._install_blackbox()
+        self._install_parts()
         self._install_faulthandler()
         self._install_torch_hooks()
         self._thread = threading.Thread(target=self._heartbeat_loop, name="rankwatch-heartbeat", daemon=True)
         self._thread.start()
+
+    @guarded("agent.parts")
+    def _install_parts(self) -> None:
+        from .memory import MemoryTracker
+        from .profiler import StepProfiler
+
+        self.memory = MemoryTracker(self)
+        self.extensions.append(StepProfiler(self))
 
     @guarded("agent.blackbox")
     def _install_blackbox(self) -> None:
@@ -190,6 +200,8 @@ class Agent:
         self.progress.set_phase("setup")
         from . import fingerprints, grad_checks
 
+        if self.memory is not None:
+            self.memory.on_model(ddp)
         for attach in (grad_checks.attach, fingerprints.attach):
             ext = attach(self, ddp)
             if ext is not None:
@@ -276,7 +288,17 @@ class Agent:
             marks=marks,
             events=events,
             fingerprints=fingerprints,
+            host_memory=self._host_memory(),
         )
+
+    def _host_memory(self) -> dict[str, int]:
+        from .memory import host_memory, rss_bytes
+
+        out = host_memory()
+        rss = rss_bytes()
+        if rss is not None:
+            out["RSS"] = rss
+        return out
 
     def send_heartbeat(self, final: bool = False) -> None:
         if not self.transport.configured:

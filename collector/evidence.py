@@ -63,6 +63,8 @@ class RankEvidence:
     notes: list[str] = field(default_factory=list)
     bundle_path: Optional[str] = None
     members: list[str] = field(default_factory=list)
+    snapshot: Optional[dict[str, Any]] = None  # CUDA memory snapshot summary
+    profile: Optional[dict[str, Any]] = None  # torch.profiler per-op summary
 
     @property
     def main_stack(self) -> list[dict[str, Any]]:
@@ -92,6 +94,15 @@ def from_bundle(bundle: Bundle) -> RankEvidence:
     memory = bundle.get("memory.json")
     if isinstance(memory, dict):
         ev.memory = memory
+    snap = bundle.get("memory_snapshot.json")
+    if isinstance(snap, dict):
+        from rankwatch.memory_snapshot import summarize
+
+        # Recomputed from the data, not trusted from the sender's summary.
+        ev.snapshot = summarize(snap.get("snapshot") or {}) if isinstance(snap.get("snapshot"), dict) else None
+    prof = bundle.get("profile_summary.json")
+    if isinstance(prof, dict):
+        ev.profile = prof
     ev.native_stacks = bundle.text_members.get("native_stacks.txt", "")
     ev.faulthandler = bundle.text_members.get("faulthandler.txt", "")
     calls = []

@@ -168,6 +168,8 @@ class Collector:
                     if isinstance(code, int):
                         state.exit_code, state.exited_at = code, event.at
             del state.events[:-MAX_EVENTS]
+            if hb.host_memory:
+                state.host_memory = dict(hb.host_memory)
             state.fingerprints.extend(hb.fingerprints)
             del state.fingerprints[:-256]
             if progressed and hb.phase != "exited":
@@ -321,6 +323,13 @@ class Collector:
                                 last_progress_at=run.last_progress_seen_at, requested_ranks=self._live_ranks(run),
                                 deadline=now + self.config.evidence_window, details={"abort": action == "abort"})
             self._open_incident(run, incident, v.kind)
+        if v.kind == "straggler":
+            # A short profiler trace on the slow rank and on one healthy rank, to compare.
+            healthy = [r for r in sorted(run.ranks) if r not in v.ranks][:1]
+            incident = f"profile-{len(run.incidents) + 1}"
+            for rank in v.ranks[:1] + healthy:
+                rt.agent_commands.setdefault(rank, []).append(wire.Command(
+                    kind="action", incident=incident, reason="straggler", details={"action": "profile", "steps": 3}))
         if v.kind == "nonfinite" and self.config.anomaly_mode_on_nonfinite:
             for rank in v.ranks:
                 rt.agent_commands.setdefault(rank, []).append(wire.Command(
@@ -427,6 +436,14 @@ def merge_bundle(run: RunState, bundle: Bundle) -> None:
     state.evidence[incident] = merge_evidence(current, ev) if current else ev
     # A crash bundle carries the exception and the step records: an
     # offline run dir without an index still has what crash needs.
+    known = {(e.kind, round(e.at, 3)) for e in state.events}
+    for raw in ev.events:  # events the heartbeats could not deliver (collector down, rank died)
+        try:
+            event = wire.decode(wire.Event, raw)
+        except wire.WireError:
+            continue
+        if (event.kind, round(event.at, 3)) not in known and event.kind != "step_values":
+            state.events.append(event)
     if ev.exception and state.exception_event() is None:
         state.events.append(wire.Event(kind="exception", at=m.created_at, step=m.step,
                                        details={k: ev.exception.get(k) for k in ("type", "message", "traceback")}))

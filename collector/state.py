@@ -40,6 +40,7 @@ class RankState:
     marks: dict[int, dict[str, int]] = field(default_factory=dict)
     events: list[wire.Event] = field(default_factory=list)
     fingerprints: list[dict[str, Any]] = field(default_factory=list)
+    host_memory: dict[str, int] = field(default_factory=dict)  # last heartbeat's
     exit_code: Optional[int] = None  # negative: signal
     exited_at: Optional[float] = None
     killed_by_rankwatch: bool = False

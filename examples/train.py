@@ -68,7 +68,14 @@ def main():
     data = Synthetic(a.batch * a.accum * (a.steps + 1), a.dim, seed=a.seed * 100 + rank, hang_at=hang_at)
     loader = DataLoader(data, batch_size=a.batch, num_workers=a.workers, shuffle=False)
     it = iter(loader)
+    leak = []
     for step in range(a.steps):
+        if a.fault == "slow" and is_faulty and step >= a.fault_step:
+            time.sleep(a.fault_size / 1000 if a.fault_size else 0.2)  # a slow data pipeline or a throttled device
+        if a.fault == "leak" and is_faulty and step >= a.fault_step:
+            leak.append(torch.ones((a.fault_size or 20) * 262144))  # keeps (fault-size) MB a step alive
+        if a.fault == "oom" and is_faulty and step == a.fault_step:
+            torch.empty(1 << 50)  # an allocation the host cannot satisfy
         if a.fault == "leave_loop" and is_faulty and step == a.fault_step:
             dist.barrier()  # leaves the loop early and waits at the end-of-training barrier
             break

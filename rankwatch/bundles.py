@@ -36,7 +36,7 @@ from typing import Any, Optional
 from . import wire
 from .redact import redact_obj, redact_text
 
-_MEMBER_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}\.(json|txt|pickle|gz)$")
+_MEMBER_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}\.(json|txt|pickle|gz|json\.gz)$")
 OPAQUE_SUFFIXES = (".pickle", ".gz")
 
 

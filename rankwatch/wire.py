@@ -126,6 +126,8 @@ class Heartbeat:
     marks: list[CollectiveMark] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
     fingerprints: list[dict[str, Any]] = field(default_factory=list)
+    # MemTotal / MemAvailable / CgroupLimit / RSS, bytes (host OOM evidence)
+    host_memory: dict[str, int] = field(default_factory=dict)
     version: int = WIRE_VERSION
 
 

@@ -13,7 +13,8 @@ import datetime as _dt
 from rankwatch import wire
 
 from ..state import RunState
-from . import collective_mismatch, crash, grad_spike, hang, nonfinite, weight_divergence
+from . import (collective_mismatch, crash, grad_spike, hang, memory_growth, nonfinite, oom, straggler,
+               weight_divergence)
 
 # Order matters only for reading: root causes first.
 ANALYSES = [
@@ -23,6 +24,9 @@ ANALYSES = [
     nonfinite,
     grad_spike,
     weight_divergence,
+    straggler,
+    memory_growth,
+    oom,
 ]
 
 

@@ -34,6 +34,10 @@ COLLECTIVE_ERROR = re.compile(
     r"size doesn't match|size does not match|preamble|expected size|mismatch",
     re.IGNORECASE,
 )
+OUT_OF_MEMORY = re.compile(
+    r"out of memory|can't allocate memory|cannot allocate memory|std::bad_alloc|OutOfMemoryError|MemoryError",
+    re.IGNORECASE,
+)
 # Signals torchrun (or the user stopping the job) sends to tear workers down.
 TEARDOWN_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT}
 SETTLE_SECONDS = 3.0  # peers' failures arrive within this window after the cause
@@ -52,6 +56,7 @@ class Failure:
     step: Optional[int]
     traceback: str = ""
     phase: str = ""
+    oom: bool = False  # reported as `oom`, not `crash`
 
 
 def failure_of(state: RankState) -> Optional[Failure]:
@@ -68,7 +73,7 @@ def failure_of(state: RankState) -> Optional[Failure]:
             peer_caused=bool(PEER_FAILURE.search(text)) and not _is_mismatch(text),
             collective_error=_is_mismatch(text), exit_code=state.exit_code if state.exit_code is not None else 1,
             step=exc.step, traceback=str(exc.details.get("traceback", ""))[-3000:],
-            phase=str(exc.details.get("phase", "")),
+            phase=str(exc.details.get("phase", "")), oom=bool(OUT_OF_MEMORY.search(text)),
         )
     code = state.exit_code
     if code is None or code == 0 or state.killed_by_rankwatch:
@@ -81,10 +86,21 @@ def failure_of(state: RankState) -> Optional[Failure]:
             name = f"signal {-code}"
         return Failure(rank=state.rank, at=at, cause=f"killed by {name} (exit code {code})", kind="signal",
                        peer_caused=False, collective_error=False, exit_code=code, step=state.step,
-                       phase=state.phase)
+                       phase=state.phase, oom=code == -signal.SIGKILL and host_memory_exhausted(state))
     return Failure(rank=state.rank, at=at, cause=f"exited with status {code} without a Python exception",
                    kind="exit", peer_caused=False, collective_error=False, exit_code=code, step=state.step,
                    phase=state.phase)
+
+
+def host_memory_exhausted(state: RankState, margin: float = 0.05) -> bool:
+    """A SIGKILL with the host (or the container) out of memory at the last
+    report: the kernel's OOM killer, which leaves no other trace in the job."""
+    mem = state.host_memory
+    total, available = mem.get("MemTotal"), mem.get("MemAvailable")
+    if total and available is not None and available < margin * total:
+        return True
+    limit, rss = mem.get("CgroupLimit"), mem.get("RSS")
+    return bool(limit and rss and rss > (1 - margin) * limit)
 
 
 def _is_mismatch(text: str) -> bool:
@@ -121,9 +137,11 @@ def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
     if not final and now - first_at < SETTLE_SECONDS:
         return []  # let the peers' failures arrive before naming a cause
     causes = [f for f in found if not f.peer_caused and not f.collective_error]
+    if any(f.oom for f in causes):
+        return []  # oom names the culprit
     if not causes:
-        if any(f.collective_error for f in found):
-            return []  # collective_mismatch names the culprit
+        if any(f.collective_error or f.oom for f in found):
+            return []  # collective_mismatch / oom name the culprit
         if run.aborted or run.interrupted:
             return []
         causes = found[:1]  # every failure looks like a consequence: name the first

@@ -1,0 +1,83 @@
+"""Profiler evidence on request: a short torch.profiler trace (a few steps,
+Chrome-trace format) and a per-operation summary, sent in a bundle. The
+collector asks the slow rank and one healthy rank for one after a straggler
+verdict and compares them."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import tempfile
+import threading
+from typing import TYPE_CHECKING, Any, Optional
+
+from rankwatch.wire import Command, StepRecord
+
+from .safety import guarded, log
+
+if TYPE_CHECKING:
+    from .runtime import Agent
+
+MAX_STEPS = 10
+
+
+class StepProfiler:
+    def __init__(self, agent: "Agent") -> None:
+        self.agent = agent
+        self._requested: Optional[Command] = None
+        self._profile = None
+        self._steps_left = 0
+        self._done: set[str] = set()
+        agent.progress.step_extras.append(self._on_step_end)
+
+    def on_command(self, command: Command) -> None:
+        if command.details.get("action") == "profile" and command.incident not in self._done:
+            self._done.add(command.incident)
+            self._requested = command  # started by the training thread at the next step end
+
+    @guarded("profiler")
+    def _on_step_end(self, record: StepRecord) -> None:
+        if self._profile is None and self._requested is not None:
+            import torch.profiler as tp
+
+            activities = [tp.ProfilerActivity.CPU]
+            import torch
+
+            if torch.cuda.is_available():
+                activities.append(tp.ProfilerActivity.CUDA)
+            self._profile = tp.profile(activities=activities, with_stack=True, record_shapes=False)
+            self._profile.start()
+            self._steps_left = max(1, min(MAX_STEPS, int(self._requested.details.get("steps", 3))))
+            return
+        if self._profile is not None:
+            self._steps_left -= 1
+            if self._steps_left <= 0:
+                profile, self._profile = self._profile, None
+                command, self._requested = self._requested, None
+                profile.stop()
+                threading.Thread(target=self._ship, args=(profile, command), daemon=True).start()
+
+    def _ship(self, profile, command: Command) -> None:
+        try:
+            members: dict[str, Any] = {"profile_summary.json": summarize(profile)}
+            with tempfile.TemporaryDirectory() as tmp:
+                path = os.path.join(tmp, "trace.json")
+                profile.export_chrome_trace(path)
+                with open(path, "rb") as f:
+                    members["profile_trace.json.gz"] = gzip.compress(f.read())
+            from . import bundle as bundle_mod
+
+            archive = bundle_mod.build(self.agent, "profile", command.incident, extra_members=members)
+            bundle_mod.deliver(self.agent, archive, command.incident)
+        except Exception as exc:
+            log(f"profiler trace failed: {type(exc).__name__}: {exc}")
+
+
+def summarize(profile, top: int = 40) -> dict[str, Any]:
+    """Self time per operation / Python function, in ms, largest first."""
+    rows = []
+    for event in profile.key_averages():
+        self_us = float(getattr(event, "self_cpu_time_total", 0.0)) + float(getattr(event, "self_device_time_total", 0.0) or 0.0)
+        rows.append({"name": str(event.key)[:200], "self_ms": self_us / 1000.0, "calls": int(event.count)})
+    rows.sort(key=lambda r: r["self_ms"], reverse=True)
+    return {"operations": rows[:top]}

@@ -1,0 +1,106 @@
+"""Stragglers and memory, in real multi-rank DDP jobs (gloo, CPU)."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import time
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import run_job
+from rankwatch import wire
+from rankwatch.bundles import pack
+from rankwatch.memory_snapshot import summarize
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_slow_rank_is_a_straggler_with_profiler_evidence(tmp_path, train_script):
+    job = run_job(tmp_path, ["--nproc-per-node", "2", str(train_script), "--steps", "45",
+                             "--fault", "slow", "--fault-rank", "1", "--fault-step", "0", "--fault-size", "200"])
+    assert job.exit_code == 0, "a straggler is reported, not killed"
+    straggler = job.only("straggler")
+    assert straggler["ranks"] == [1]
+    assert straggler["evidence"]["ranks"]["1"]["score"] > 5
+    assert straggler["evidence"]["phase"] == "data loading"
+    assert straggler["step"] <= 20, "found while the job runs, not only at the end"
+    profile = straggler["evidence"].get("profile")
+    assert profile and profile["slow_rank"] == 1 and "sleep" in profile["operations"][0]["name"]
+    assert len(job.verdicts()) == 1
+
+
+def test_leaking_rank_is_memory_growth(tmp_path, train_script):
+    job = run_job(tmp_path, ["--nproc-per-node", "2", str(train_script), "--steps", "40",
+                             "--fault", "leak", "--fault-rank", "0", "--fault-step", "0", "--fault-size", "20"])
+    growth = job.only("memory_growth")
+    assert growth["ranks"] == [0]
+    per_step = growth["evidence"]["ranks"]["0"]["bytes_per_step"]
+    assert 15 * 2**20 < per_step < 25 * 2**20
+    assert growth["evidence"]["seconds_to_exhaustion"] > 0
+    # Allocating 20 MB a step may also make the rank measurably slower; nothing else is allowed.
+    assert all(v["ranks"] == [0] and v["kind"] in ("memory_growth", "straggler") for v in job.verdicts())
+
+
+def test_failed_host_allocation_is_oom_not_crash(tmp_path, train_script):
+    job = run_job(tmp_path, ["--nproc-per-node", "2", str(train_script), "--steps", "30",
+                             "--fault", "oom", "--fault-rank", "1", "--fault-step", "4"])
+    assert job.exit_code != 0
+    oom = job.only("oom")
+    assert oom["ranks"] == [1] and oom["step"] == 4
+    assert "can't allocate memory" in oom["summary"]
+    assert not job.verdicts("crash"), "the peer's 'Connection closed' is a consequence"
+
+
+def test_snapshot_fixture_is_the_format_torch_reads():
+    """No GPU is lent here: the snapshot is a recorded-format fixture. torch's
+    own reader (torch/cuda/_memory_viz.py) must accept it, so the summariser is
+    tested on what real snapshots look like."""
+    from torch.cuda import _memory_viz
+
+    snapshot = json.loads((DATA / "cuda_snapshot.json").read_text())
+    text = _memory_viz.segsum(snapshot)
+    assert "Summary of segments" in text
+    out = io.StringIO()
+    with redirect_stdout(out):
+        _memory_viz.trace(snapshot)
+    summary = summarize(snapshot)
+    assert summary["reserved_bytes"] == 3 * 2**30 + 20 * 2**20
+    assert summary["top_sites"][0]["site"] == "train.py:57 in cache_activations"
+    assert summary["top_sites"][0]["bytes"] == 2 * 2**30
+    assert summary["allocated_bytes"] == 2 * 2**30 + 512 * 2**20 + 20 * 2**20
+
+
+def test_analyze_summarises_an_oom_bundle_without_a_gpu(tmp_path):
+    snapshot = json.loads((DATA / "cuda_snapshot.json").read_text())
+    manifest = wire.BundleManifest(run_id="gpu-job", rank=3, local_rank=3, world_size=4, host="gpu7", pid=9,
+                                   step=120, created_at=time.time(), reason="oom", incident="oom-r3-abc")
+    folder = tmp_path / "bundles"
+    folder.mkdir()
+    (folder / "rank-00003.tar.gz").write_bytes(pack(manifest, {
+        "memory_snapshot.json": {"summary": {"forged": True}, "snapshot": snapshot},
+        "memory_snapshot.pickle": b"\x80\x04opaque",
+        "metrics.json": {"events": [{"kind": "oom", "at": time.time(), "step": 120,
+                                     "details": {"requested_bytes": 4 * 2**30}}]},
+    }))
+    out = subprocess.run([sys.executable, "-m", "rankwatch.cli", "analyze", str(folder), "--json"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    oom = [v for v in json.loads(out.stdout)["verdicts"] if v["kind"] == "oom"]
+    assert oom and oom[0]["ranks"] == [3]
+    assert "train.py:57 in cache_activations" in oom[0]["summary"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: no accelerator is lent to this project")
+def test_cuda_oom_observer_dumps_a_snapshot(tmp_path):
+    from rankwatch.agent.memory import snapshot_members
+
+    torch.cuda.memory._record_memory_history(max_entries=1000)
+    x = torch.empty(1 << 20, device="cuda")
+    members = snapshot_members(str(tmp_path), 0)
+    assert members["memory_snapshot.json"]["summary"]["allocated_bytes"] >= x.numel() * 4
