@@ -75,6 +75,10 @@ class Progress:
         self._forwards_in_step += 1
         if self._first_forward_at is None:
             self._first_forward_at = now
+            if self.step == 0 and not self._opt_counts:
+                # The first step starts at its first forward, not at process start
+                # (imports, process group and model set-up are not step time).
+                self._step_started_at = now
         self.phase = "forward"
         self.phase_since = now
         self.last_progress_at = now

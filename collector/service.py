@@ -73,6 +73,10 @@ class Collector:
         self.bundles_received = 0
         self.bundles_rejected = 0
         self.on_verdict: list[Callable[[str, wire.Verdict], None]] = []
+        if self.config.grafana_url:
+            from rankwatch.grafana import Annotator
+
+            self.on_verdict.append(Annotator(self.config.grafana_url, self.config.grafana_token))
 
     # -- lifecycle ---------------------------------------------------------------
     def start(self, tick: float = 0.5) -> None:
@@ -80,6 +84,10 @@ class Collector:
         self._thread.start()
 
     def stop(self) -> None:
+        for callback in self.on_verdict:
+            flush = getattr(callback, "flush", None)
+            if flush:
+                flush()
         self._stop.set()
         if self._thread:
             self._thread.join(timeout=5)

@@ -2,7 +2,9 @@
 
     rankwatch run [RANKWATCH OPTIONS] [TORCHRUN OPTIONS] SCRIPT [ARGS...]
     rankwatch analyze PATH [--json]
+    rankwatch analyze PATH --plot FILE.png | --tensorboard DIR
     rankwatch collector serve [--host H] [--port P] [--data-dir DIR]
+    rankwatch grafana push --url URL [--token T] [--prometheus-url URL]
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
         return analyze(rest)
     if command == "collector":
         return collector(rest)
+    if command == "grafana":
+        from .grafana import main as grafana_main
+
+        return grafana_main(rest)
     print(f"rankwatch: unknown command {command!r}\n\n{USAGE.strip()}", file=sys.stderr)
     return 2
 
@@ -45,6 +51,8 @@ def analyze(argv: list[str]) -> int:
                                      description="Rebuild the report of a run from its run dir or bundles.")
     parser.add_argument("path", help="a run dir, a folder of bundles, or one bundle archive")
     parser.add_argument("--json", action="store_true", help="print report.json instead of text")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw the run's per-rank picture (matplotlib)")
+    parser.add_argument("--tensorboard", metavar="DIR", help="write per-rank series and verdicts for TensorBoard")
     args = parser.parse_args(argv)
     from rankwatch.collector import report as report_mod
     from rankwatch.collector.offline import AnalyzeError, analyze_path
@@ -54,6 +62,20 @@ def analyze(argv: list[str]) -> int:
     except AnalyzeError as exc:
         print(f"rankwatch analyze: {exc}", file=sys.stderr)
         return 2
+    if args.plot or args.tensorboard:
+        from rankwatch.collector.offline import load
+
+        from . import plot as plot_mod
+
+        run, _ = load(Path(args.path))
+        if args.plot:
+            print(f"plot: {plot_mod.plot(run, report, Path(args.plot))}", file=sys.stderr)
+        if args.tensorboard:
+            try:
+                print(f"tensorboard: {plot_mod.tensorboard(run, report, Path(args.tensorboard))}", file=sys.stderr)
+            except RuntimeError as exc:
+                print(f"rankwatch analyze: {exc}", file=sys.stderr)
+                return 2
     if args.json:
         print(json.dumps(wire.to_dict(report), indent=2))
     else:
@@ -78,8 +100,11 @@ def collector(argv: list[str]) -> int:
     cfg = config_mod.load(flags={"hang_timeout": args.hang_timeout, "on_hang": args.on_hang,
                                  "bind": args.host}, file=args.config)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from rankwatch.collector.metrics import CollectorMetrics
+
     service = Collector(config=cfg, data_dir=Path(args.data_dir))
-    server = CollectorServer(service, host=cfg.bind, port=args.port, token=cfg.token)
+    metrics = CollectorMetrics(service)
+    server = CollectorServer(service, host=cfg.bind, port=args.port, token=cfg.token, metrics_handler=metrics.render)
     service.start()
     server.start()
     print(f"rankwatch collector listening on {server.url} (data in {args.data_dir})", flush=True)

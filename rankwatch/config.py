@@ -70,6 +70,9 @@ class Config:
     token: Optional[str] = None
     # Bind address and port of the embedded collector and metrics endpoint.
     bind: str = "127.0.0.1"
+    # Grafana to annotate with every verdict (optional).
+    grafana_url: Optional[str] = None
+    grafana_token: Optional[str] = None
     metrics_port: Optional[int] = None
 
     @classmethod

@@ -178,7 +178,8 @@ def run(argv: list[str]) -> int:
                                 host=os.environ.get("RANKWATCH_HOST") or socket.gethostname(),
                                 expected_workers=_local_world_size(args))
     supervisor.start()
-    _say(f"run {run_id}: collector {collector_url}{' (embedded)' if embedded else ''}, run dir {run_dir}")
+    _say(f"run {run_id}: collector {collector_url}{' (embedded)' if embedded else ''}, run dir {run_dir}"
+         + (f", metrics {collector_url}/metrics" if embedded else ""))
 
     exit_code = 0
     interrupted = False

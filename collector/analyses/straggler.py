@@ -47,7 +47,7 @@ def _times(run: RunState) -> tuple[dict[int, dict[int, float]], list[int]]:
 def _score_window(run: RunState, times: dict[int, dict[int, float]], steps: list[int]) -> dict[int, dict]:
     out = {}
     for rank in run.ranks:
-        over, own, peer = 0, [], []
+        over, own, peer, first_over = 0, [], [], None
         for step in steps:
             mine = times[step][rank]
             others = statistics.median(v for r, v in times[step].items() if r != rank)
@@ -55,9 +55,10 @@ def _score_window(run: RunState, times: dict[int, dict[int, float]], steps: list
             peer.append(others)
             if mine > THRESHOLD * others and mine - others > MIN_EXCESS_S:
                 over += 1
+                first_over = step if first_over is None else first_over
         own_median, peer_median = statistics.median(own), statistics.median(peer)
         out[rank] = {"score": own_median / max(peer_median, 1e-9), "own_median_s": own_median,
-                     "peer_median_s": peer_median, "steps_over": over, "window": steps}
+                     "peer_median_s": peer_median, "steps_over": over, "window": steps, "first_over": first_over}
     return out
 
 
@@ -98,8 +99,10 @@ def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
                f"peers ({worst['score']:.1f}x, +{extra * 1e3:.0f} ms, mostly in {phase}) on "
                f"{worst['steps_over']} of the last {len(window)} steps; every other rank waits for it in the allreduce.")
     state = run.ranks[worst_rank]
-    first = state.steps[window[0]].started_at if window[0] in state.steps else now
-    evidence = {"ranks": {str(r): {k: v for k, v in d.items() if k != "window"} for r, d in slow.items()},
+    start = worst["first_over"] if worst["first_over"] is not None else window[0]
+    first = state.steps[start].started_at if start in state.steps else now
+    evidence = {"ranks": {str(r): {k: v for k, v in d.items() if k not in ("window", "first_over")}
+                          for r, d in slow.items()},
                 "phase": phase, "steps": [window[0], window[-1]],
                 "scores": {str(r): round(d["score"], 3) for r, d in found.items()}}
     diff = profile_difference(run, worst_rank)
@@ -107,7 +110,7 @@ def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
         evidence["profile"] = diff
         top = diff["operations"][0]
         summary += f" Profiler: the largest difference is {top['name']} (+{top['extra_ms']:.1f} ms)."
-    return [verdict("straggler", slow, window[0], first, now, summary, evidence)]
+    return [verdict("straggler", slow, start, first, now, summary, evidence)]
 
 
 def profile_difference(run: RunState, slow: int) -> Optional[dict]:
