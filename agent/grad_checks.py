@@ -144,7 +144,13 @@ class GradChecker:
     def _inspect(self, bucket) -> None:
         index = bucket.index()
         if index == 0:
-            self._sampled = self.agent.progress.step % self.stride == 0 or self._loss_is_bad()
+            step = self.agent.progress.step
+            if self._last_bucket_step == step and (self._norms or self._nonfinite_params):
+                # A second backward without an optimizer step: the previous one
+                # was skipped (GradScaler overflow, or the script's choice).
+                self._previous_step_skipped()
+            self._last_bucket_step = step
+            self._sampled = step % self.stride == 0 or self._loss_is_unusual()
         if bucket.is_last():
             self.agent.progress.on_backward_done(_now())
         if not self._sampled:
@@ -166,27 +172,26 @@ class GradChecker:
             per_param = torch.stack(torch._foreach_norm(bucket.gradients()))
             norm = torch.linalg.vector_norm(per_param)
             self._param_norms.append(([self.names.get(id(p), "?") for p in bucket.parameters()], per_param))
-        if index == 0:
-            step = self.agent.progress.step
-            if self._last_bucket_step == step and self._norms:
-                # A second backward without an optimizer step: the previous one
-                # was skipped (GradScaler overflow, or the script's choice).
-                self._previous_step_skipped()
-            self._last_bucket_step = step
         self._norms.append(norm)
         if norm.device.type == "cpu" and not math.isfinite(float(norm)):
             self._name_nonfinite(bucket)
         self._spent += time.perf_counter() - started
 
-    def _loss_is_bad(self) -> bool:
-        """A non-finite loss forces the check on a sampled-out step, so the
-        parameters are still named (free on a CPU; never read on a GPU)."""
+    def _loss_is_unusual(self) -> bool:
+        """A non-finite loss, or one far above its recent values, forces the
+        check on a sampled-out step: a bad batch is still caught and named
+        (free on a CPU; a GPU loss is never read here)."""
         loss = self.agent.progress._loss
         try:
-            return loss is not None and loss.device.type == "cpu" and loss.numel() == 1 \
-                and not math.isfinite(float(loss.detach()))
+            if loss is None or loss.device.type != "cpu" or loss.numel() != 1:
+                return False
+            value = abs(float(loss.detach()))
         except Exception:
             return False
+        if not math.isfinite(value):
+            return True
+        history = sorted(abs(v) for v in self.agent.progress.loss_history)
+        return len(history) >= 5 and value > 10 * history[len(history) // 2] + 1e-12
 
     def _name_nonfinite(self, bucket) -> None:
         """Only on the rare bad step: which parameters' local gradients are not finite."""

@@ -45,6 +45,7 @@ class Progress:
         self._forwards_in_step = 0
         self._loss: Any = None
         self._observed_loss: Optional[float] = None
+        self.loss_history: collections.deque[float] = collections.deque(maxlen=20)
         self._lock = threading.Lock()
         # Per-step values provided by other parts (gradient checks, memory).
         self.step_extras: list[Callable[[StepRecord], None]] = []
@@ -135,6 +136,8 @@ class Progress:
             if self._backward_done_at is not None and self._backward_done_at >= first_fwd:
                 record.compute_s = self._backward_done_at - started
         record.loss = self._read_loss()
+        if record.loss is not None and math.isfinite(record.loss):
+            self.loss_history.append(record.loss)
         for extra in self.step_extras:
             extra(record)
         self.recent.append(record)

@@ -55,16 +55,19 @@ def test_user_comm_hook_still_runs(tmp_path):
         "for step in range(6):\n"
         "    opt.zero_grad(); model(torch.randn(4, 8)).sum().backward(); opt.step()\n"
         "assert len(calls) == 6, calls\n"
-        "print('HOOK_CALLS', len(calls), flush=True)\n"
+        "open(f'hook_calls_{dist.get_rank()}', 'w').write(str(len(calls)))\n"
         "dist.destroy_process_group()\n")
     job = run_job(tmp_path, ["--nproc-per-node", "2", str(script)])
     assert job.exit_code == 0, job.output[-3000:]
-    assert job.output.count("HOOK_CALLS 6") == 2
+    assert [(tmp_path / f"hook_calls_{r}").read_text() for r in (0, 1)] == ["6", "6"]
     assert job.report["status"] == "healthy"
     from rankwatch.collector.offline import load
 
     run, _ = load(job.run_dir)
-    missing = [(s.rank, r.step) for s in run.ranks.values() for r in s.steps.values() if r.grad_norm is None]
+    # Tiny steps: the cost budget may sample every N-th step; the sampled ones have a norm.
+    missing = [(s.rank, r.step) for s in run.ranks.values() for r in s.steps.values()
+               if r.grad_norm is None and r.grad_check_stride == 1]
+    assert all(s.steps[0].grad_norm is not None for s in run.ranks.values())
     assert not missing, \
         f"local gradient norms were measured through the user's hook: {missing}"
 

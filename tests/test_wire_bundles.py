@@ -30,7 +30,8 @@ def test_heartbeat_round_trip():
     assert back == hb
 
 
-@pytest.mark.parametrize("payload,needle", [
+@pytest.mark.parametrize("payload,needle", ids=["not-json", "missing-field", "wrong-type", "future-version",
+                                                "too-many-items"], argvalues=[
     (b"{not json", "not valid JSON"),
     (json.dumps({"sent_at": 1}).encode(), "missing field 'identity'"),
     (json.dumps({"identity": {"run_id": "r", "rank": "one", "local_rank": 0, "world_size": 2}, "sent_at": 1}).encode(),
