@@ -174,6 +174,40 @@ class Agent:
             agent.on_ddp_created(module)
 
         DistributedDataParallel.__init__ = ddp_init
+        self._wrap_checkpointing()
+
+    def _wrap_checkpointing(self) -> None:
+        """A checkpoint write is a long, legitimate pause: the phase tells the
+        collector to allow for it before calling a hang."""
+        import torch
+
+        targets = [(torch, "save")]
+        try:
+            import torch.distributed.checkpoint as dcp
+
+            targets += [(dcp, "save"), (dcp, "async_save")]
+        except Exception:
+            pass
+        progress = self.progress
+        for module, name in targets:
+            original = getattr(module, name, None)
+            if original is None or getattr(original, "__rankwatch_wrapped__", False):
+                continue
+
+            def make(original):
+                @functools.wraps(original)
+                def save(*args, **kwargs):
+                    previous = progress.phase
+                    progress.set_phase("checkpoint")
+                    try:
+                        return original(*args, **kwargs)
+                    finally:
+                        progress.set_phase(previous)
+
+                save.__rankwatch_wrapped__ = True
+                return save
+
+            setattr(module, name, make(original))
 
     def _wrap_init_process_group(self) -> None:
         import torch.distributed as dist
@@ -198,11 +232,11 @@ class Agent:
         self.ddp_modules.append(ddp)
         ddp.register_forward_pre_hook(self.progress.on_forward)
         self.progress.set_phase("setup")
-        from . import fingerprints, grad_checks
+        from . import fingerprints, grad_checks, gradient_flow
 
         if self.memory is not None:
             self.memory.on_model(ddp)
-        for attach in (grad_checks.attach, fingerprints.attach):
+        for attach in (grad_checks.attach, fingerprints.attach, gradient_flow.attach):
             ext = attach(self, ddp)
             if ext is not None:
                 self.extensions.append(ext)
@@ -226,8 +260,14 @@ class Agent:
         send a crash bundle, then let the exception continue."""
         try:
             info = format_exception(exc)
+            details = {}
+            unused = [n for ext in self.extensions if hasattr(ext, "never_received") for n in ext.never_received()]
+            if unused and "finished reduction" in info["message"]:
+                # DDP's error names no parameter: these never received a gradient.
+                details["unused_parameters"] = unused
+                info["unused_parameters"] = unused
             self.record_event("exception", type=info["type"], message=info["message"],
-                              traceback=info["traceback"][-8000:], phase=self.progress.phase)
+                              traceback=info["traceback"][-8000:], phase=self.progress.phase, **details)
             self._write_torchelastic_error_file(exc)
             incident = f"crash-r{self.identity.rank}-{uuid.uuid4().hex[:8]}"
             self.send_heartbeat(final=False)

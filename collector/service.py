@@ -293,6 +293,8 @@ class Collector:
             return
         cfg = self.config
         timeout = run.adaptive_timeout(cfg.startup_timeout, cfg.adaptive_floor, cfg.adaptive_multiplier)
+        if run.hang_timeout is None and any(s.phase == "checkpoint" for s in run.ranks.values()):
+            timeout = max(timeout, cfg.checkpoint_timeout)  # phase-aware: a checkpoint write takes long
         stalled = now - run.last_progress_seen_at
         if stalled < timeout:
             return

@@ -65,20 +65,20 @@ class Store:
             self._db.execute("INSERT OR REPLACE INTO meta VALUES ('schema', 'rankwatch.index/v1')")
             self._db.execute("BEGIN")
 
+    def _end_transaction(self) -> None:
+        try:
+            self._db.execute("COMMIT")
+        except sqlite3.OperationalError:
+            pass  # nothing was open
+
     def commit(self) -> None:
         with self._lock:
-            try:
-                self._db.execute("COMMIT")
-            except sqlite3.OperationalError:
-                pass
+            self._end_transaction()
             self._db.execute("BEGIN")
 
     def close(self) -> None:
         with self._lock:
-            try:
-                self._db.execute("COMMIT")
-            except sqlite3.OperationalError:
-                pass
+            self._end_transaction()
             self._db.close()
 
     def _exec(self, sql: str, args: Iterable = ()) -> None:

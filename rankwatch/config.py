@@ -39,6 +39,8 @@ class Config:
     startup_timeout: float = 50.0
     adaptive_floor: float = 20.0
     adaptive_multiplier: float = 10.0
+    # While any rank writes a checkpoint (torch.save, torch.distributed.checkpoint).
+    checkpoint_timeout: float = 900.0
     # Seconds the collector waits for bundles after it asked for them.
     evidence_window: float = 3.0
     # Local-gradient checks before the allreduce (norm, finiteness).

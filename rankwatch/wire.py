@@ -242,6 +242,9 @@ class Report:
     status: str
     verdicts: list[Verdict] = field(default_factory=list)
     schema: str = REPORT_SCHEMA
+    # Observations that are not faults (added to the contract, not changing it):
+    # parameters without gradients, always-zero gradients.
+    notes: list[str] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------

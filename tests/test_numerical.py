@@ -77,3 +77,54 @@ def test_healthy_run_with_grad_scaler_overflows_and_warmup(tmp_path, train_scrip
                              "--overflow-every", "6", "--warmup", "10", "--seed", "3"])
     assert job.exit_code == 0, job.output[-3000:]
     assert job.report["verdicts"] == [], job.report
+
+
+def test_unused_parameter_named_when_ddp_fails_to_finish_reduction(tmp_path):
+    script = tmp_path / "unused.py"
+    script.write_text(
+        "import torch, torch.distributed as dist\n"
+        "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+        "class M(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.encoder = torch.nn.Linear(8, 8)\n"
+        "        self.head = torch.nn.Linear(8, 1)\n"
+        "        self.aux_head = torch.nn.Linear(8, 3)  # defined, never used in forward\n"
+        "    def forward(self, x):\n"
+        "        return self.head(self.encoder(x))\n"
+        "dist.init_process_group('gloo')\n"
+        "model = DDP(M())\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for step in range(5):\n"
+        "    opt.zero_grad(); model(torch.randn(4, 8)).sum().backward(); opt.step()\n"
+        "dist.destroy_process_group()\n")
+    job = run_job(tmp_path, ["--nproc-per-node", "2", str(script)])
+    assert job.exit_code != 0
+    crash = job.only("crash")
+    assert "finished reduction" in crash["summary"]
+    assert sorted(crash["evidence"]["unused_parameters"]) == ["aux_head.bias", "aux_head.weight"]
+    assert "aux_head.weight" in crash["summary"]
+
+
+def test_always_zero_gradient_is_noted_without_a_false_verdict(tmp_path):
+    script = tmp_path / "frozen.py"
+    script.write_text(
+        "import torch, torch.distributed as dist\n"
+        "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+        "class M(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.body = torch.nn.Linear(8, 8)\n"
+        "        self.gate = torch.nn.Parameter(torch.ones(8))\n"
+        "    def forward(self, x):\n"
+        "        return (self.body(x) + 0.0 * self.gate).sum()  # gate's gradient is always 0\n"
+        "dist.init_process_group('gloo')\n"
+        "model = DDP(M())\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.01)\n"
+        "for step in range(40):\n"
+        "    opt.zero_grad(); model(torch.randn(4, 8)).backward(); opt.step()\n"
+        "dist.destroy_process_group()\n")
+    job = run_job(tmp_path, ["--nproc-per-node", "2", str(script)])
+    assert job.exit_code == 0, job.output[-2000:]
+    assert job.report["verdicts"] == []
+    assert any("always had an exactly zero gradient" in n and "gate" in n for n in job.report["notes"])

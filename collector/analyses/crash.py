@@ -56,7 +56,8 @@ class Failure:
     step: Optional[int]
     traceback: str = ""
     phase: str = ""
-    oom: bool = False  # reported as `oom`, not `crash`
+    oom: bool = False
+    unused_parameters: tuple = ()  # reported as `oom`, not `crash`
 
 
 def failure_of(state: RankState) -> Optional[Failure]:
@@ -74,6 +75,7 @@ def failure_of(state: RankState) -> Optional[Failure]:
             collective_error=_is_mismatch(text), exit_code=state.exit_code if state.exit_code is not None else 1,
             step=exc.step, traceback=str(exc.details.get("traceback", ""))[-3000:],
             phase=str(exc.details.get("phase", "")), oom=bool(OUT_OF_MEMORY.search(text)),
+            unused_parameters=tuple(exc.details.get("unused_parameters") or ()),
         )
     code = state.exit_code
     if code is None or code == 0 or state.killed_by_rankwatch:
@@ -160,6 +162,9 @@ def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
     summary = f"{ranks_text(f.rank for f in culprits).capitalize()} ({located(run, [first.rank])}) crashed first: {first.cause}"
     if first.step is not None:
         summary += f" (step {first.step}" + (f", phase {first.phase})" if first.phase not in ("", "unknown") else ")")
+    if first.unused_parameters:
+        summary += (f"; parameters that never received a gradient: {', '.join(first.unused_parameters[:6])} "
+                    f"(unused in forward: pass find_unused_parameters=True to DDP, or use them)")
     last_stack = next((ev.main_stack for ev in culprit_state.evidence.values() if ev.main_stack), [])
     if first.kind != "exception" and last_stack:
         summary += f"; its last Python stack: {where(last_stack)}"
@@ -174,5 +179,6 @@ def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
         ],
         "traceback": first.traceback,
         "hosts": {str(f.rank): run.ranks[f.rank].host for f in culprits},
+        "unused_parameters": list(first.unused_parameters),
     }
     return [verdict("crash", [f.rank for f in culprits], first.step, first.at, max(now, first.at), summary, evidence)]
