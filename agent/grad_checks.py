@@ -132,10 +132,19 @@ class GradChecker:
         self.registered = True
         checker = self
 
+        local = self.agent.collectives._local
+
         @functools.wraps(user_hook)
         def checked_hook(hook_state, bucket):
             checker._inspect(bucket)
-            return user_hook(hook_state, bucket)
+            # The hook's collectives are DDP's gradient reduction: not recorded
+            # as Python call sites (that is how a stray user collective stands out).
+            outer = getattr(local, "depth", 0)
+            local.depth = 1
+            try:
+                return user_hook(hook_state, bucket)
+            finally:
+                local.depth = outer
 
         return original_register(self.ddp, state, checked_hook)
 

@@ -54,8 +54,15 @@ def plain(nproc: int, args: list[str], timeout: float) -> str:
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        out, _ = proc.communicate()
+        from rankwatch.supervisor import _descendants
+
+        # torchrun's workers lead their own sessions: kill them by descent.
+        for pid in [proc.pid, *_descendants(proc.pid)]:
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+        proc.communicate()
         return f"nothing for {timeout:.0f} s (still hung; gloo's timeout is 30 min)"
     root = re.search(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", out, re.S)
     if root:

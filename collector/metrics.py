@@ -6,9 +6,9 @@ job it watches). Nothing is updated per heartbeat: a custom prometheus_client
 collector reads the RunState when Prometheus asks.
 
 Labels and cardinality budget (see ARCHITECTURE.md): per-rank series carry
-``job``, ``node``, ``rank``, ``local_rank`` and nothing unbounded (no step, no
-phase, no process group beyond the default one). 13 per-rank series per rank:
-10,000 ranks are 130,000 series, plus a few dozen job-level ones.
+``run``, ``node``, ``rank``, ``local_rank`` and nothing unbounded (no step, no
+phase, no process group beyond the default one). 14 series per rank (12 on a
+CPU-only job): 10,000 ranks are ~140,000 series, plus ~30 job-level ones.
 """
 
 from __future__ import annotations
