@@ -199,8 +199,8 @@ class GradChecker:
             return False
         if not math.isfinite(value):
             return True
-        history = sorted(abs(v) for v in self.agent.progress.loss_history)
-        return len(history) >= 5 and value > 10 * history[len(history) // 2] + 1e-12
+        typical = self.agent.progress.typical_loss
+        return typical is not None and value > 10 * typical + 1e-12
 
     def _name_nonfinite(self, bucket) -> None:
         """Only on the rare bad step: which parameters' local gradients are not finite."""

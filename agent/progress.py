@@ -46,6 +46,7 @@ class Progress:
         self._loss: Any = None
         self._observed_loss: Optional[float] = None
         self.loss_history: collections.deque[float] = collections.deque(maxlen=20)
+        self.typical_loss: Optional[float] = None  # median |loss| of recent steps, refreshed every 5
         self._lock = threading.Lock()
         # Per-step values provided by other parts (gradient checks, memory).
         self.step_extras: list[Callable[[StepRecord], None]] = []
@@ -137,7 +138,10 @@ class Progress:
                 record.compute_s = self._backward_done_at - started
         record.loss = self._read_loss()
         if record.loss is not None and math.isfinite(record.loss):
-            self.loss_history.append(record.loss)
+            self.loss_history.append(abs(record.loss))
+            if len(self.loss_history) >= 5 and self.step % 5 == 0:
+                ordered = sorted(self.loss_history)
+                self.typical_loss = ordered[len(ordered) // 2]
         for extra in self.step_extras:
             extra(record)
         self.recent.append(record)
