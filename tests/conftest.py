@@ -57,6 +57,22 @@ def run_job(tmp_path: Path, args: list[str], timeout: float = 180, env: dict | N
     return Job(proc.returncode, json.loads(report_file.read_text()), output, elapsed, run_dir)
 
 
+_HEADER = """\
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+dist.init_process_group("gloo")
+"""
+
+
+def ddp_script(tmp_path: Path, name: str, body: str) -> Path:
+    """A small plain DDP training script (no rankwatch import) around ``body``."""
+    import textwrap
+
+    path = tmp_path / name
+    path.write_text(_HEADER + textwrap.dedent(body) + "dist.destroy_process_group()\n")
+    return path
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

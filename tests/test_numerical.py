@@ -3,7 +3,7 @@ multi-rank DDP jobs (gloo, CPU)."""
 
 from __future__ import annotations
 
-from conftest import run_job
+from conftest import ddp_script, run_job
 
 
 def test_nan_in_one_ranks_batch_names_origin_step_and_parameter(tmp_path, train_script):
@@ -39,24 +39,20 @@ def test_perturbed_replica_is_weight_divergence(tmp_path, train_script):
 
 
 def test_user_comm_hook_still_runs(tmp_path):
-    script = tmp_path / "hooked.py"
-    script.write_text(
-        "import torch, torch.distributed as dist\n"
-        "from torch.nn.parallel import DistributedDataParallel as DDP\n"
-        "from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook\n"
-        "dist.init_process_group('gloo')\n"
-        "calls = []\n"
-        "def my_hook(state, bucket):\n"
-        "    calls.append(bucket.index())\n"
-        "    return allreduce_hook(state, bucket)\n"
-        "model = DDP(torch.nn.Linear(8, 8))\n"
-        "model.register_comm_hook(None, my_hook)\n"
-        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
-        "for step in range(6):\n"
-        "    opt.zero_grad(); model(torch.randn(4, 8)).sum().backward(); opt.step()\n"
-        "assert len(calls) == 6, calls\n"
-        "open(f'hook_calls_{dist.get_rank()}', 'w').write(str(len(calls)))\n"
-        "dist.destroy_process_group()\n")
+    script = ddp_script(tmp_path, "hooked.py", """
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        calls = []
+        def my_hook(state, bucket):
+            calls.append(bucket.index())
+            return allreduce_hook(state, bucket)
+        model = DDP(torch.nn.Linear(8, 8))
+        model.register_comm_hook(None, my_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(6):
+            opt.zero_grad(); model(torch.randn(4, 8)).sum().backward(); opt.step()
+        assert len(calls) == 6, calls
+        open(f"hook_calls_{dist.get_rank()}", "w").write(str(len(calls)))
+        """)
     job = run_job(tmp_path, ["--nproc-per-node", "2", str(script)])
     assert job.exit_code == 0, job.output[-3000:]
     assert [(tmp_path / f"hook_calls_{r}").read_text() for r in (0, 1)] == ["6", "6"]
@@ -80,24 +76,20 @@ def test_healthy_run_with_grad_scaler_overflows_and_warmup(tmp_path, train_scrip
 
 
 def test_unused_parameter_named_when_ddp_fails_to_finish_reduction(tmp_path):
-    script = tmp_path / "unused.py"
-    script.write_text(
-        "import torch, torch.distributed as dist\n"
-        "from torch.nn.parallel import DistributedDataParallel as DDP\n"
-        "class M(torch.nn.Module):\n"
-        "    def __init__(self):\n"
-        "        super().__init__()\n"
-        "        self.encoder = torch.nn.Linear(8, 8)\n"
-        "        self.head = torch.nn.Linear(8, 1)\n"
-        "        self.aux_head = torch.nn.Linear(8, 3)  # defined, never used in forward\n"
-        "    def forward(self, x):\n"
-        "        return self.head(self.encoder(x))\n"
-        "dist.init_process_group('gloo')\n"
-        "model = DDP(M())\n"
-        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
-        "for step in range(5):\n"
-        "    opt.zero_grad(); model(torch.randn(4, 8)).sum().backward(); opt.step()\n"
-        "dist.destroy_process_group()\n")
+    script = ddp_script(tmp_path, "unused.py", """
+        class M(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.encoder = torch.nn.Linear(8, 8)
+                self.head = torch.nn.Linear(8, 1)
+                self.aux_head = torch.nn.Linear(8, 3)  # defined, never used in forward
+            def forward(self, x):
+                return self.head(self.encoder(x))
+        model = DDP(M())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(5):
+            opt.zero_grad(); model(torch.randn(4, 8)).sum().backward(); opt.step()
+        """)
     job = run_job(tmp_path, ["--nproc-per-node", "2", str(script)])
     assert job.exit_code != 0
     crash = job.only("crash")
@@ -107,23 +99,19 @@ def test_unused_parameter_named_when_ddp_fails_to_finish_reduction(tmp_path):
 
 
 def test_always_zero_gradient_is_noted_without_a_false_verdict(tmp_path):
-    script = tmp_path / "frozen.py"
-    script.write_text(
-        "import torch, torch.distributed as dist\n"
-        "from torch.nn.parallel import DistributedDataParallel as DDP\n"
-        "class M(torch.nn.Module):\n"
-        "    def __init__(self):\n"
-        "        super().__init__()\n"
-        "        self.body = torch.nn.Linear(8, 8)\n"
-        "        self.gate = torch.nn.Parameter(torch.ones(8))\n"
-        "    def forward(self, x):\n"
-        "        return (self.body(x) + 0.0 * self.gate).sum()  # gate's gradient is always 0\n"
-        "dist.init_process_group('gloo')\n"
-        "model = DDP(M())\n"
-        "opt = torch.optim.SGD(model.parameters(), lr=0.01)\n"
-        "for step in range(40):\n"
-        "    opt.zero_grad(); model(torch.randn(4, 8)).backward(); opt.step()\n"
-        "dist.destroy_process_group()\n")
+    script = ddp_script(tmp_path, "frozen.py", """
+        class M(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.body = torch.nn.Linear(8, 8)
+                self.gate = torch.nn.Parameter(torch.ones(8))
+            def forward(self, x):
+                return (self.body(x) + 0.0 * self.gate).sum()  # gate's gradient is always 0
+        model = DDP(M())
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for step in range(40):
+            opt.zero_grad(); model(torch.randn(4, 8)).backward(); opt.step()
+        """)
     job = run_job(tmp_path, ["--nproc-per-node", "2", str(script)])
     assert job.exit_code == 0, job.output[-2000:]
     assert job.report["verdicts"] == []
