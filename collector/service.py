@@ -29,6 +29,7 @@ log = logging.getLogger("rankwatch.collector")
 
 MAX_EVENTS = 10_000  # per rank, newest kept
 ANALYSIS_INTERVAL = 1.0
+ACTIONABLE = ("collective_mismatch", "nonfinite", "grad_spike", "weight_divergence", "straggler", "memory_growth")
 _SAFE_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
 
@@ -325,7 +326,8 @@ class Collector:
 
     def _act_on(self, run: RunState, v: wire.Verdict, now: float) -> None:
         """The configured action for a new verdict: report, dump or abort."""
-        action = getattr(self.config, f"on_{v.kind}", "report")
+        # hang has its own incident (on_hang); crash and oom end the job by themselves.
+        action = getattr(self.config, f"on_{v.kind}", "report") if v.kind in ACTIONABLE else "report"
         rt = self._runtime(run.run_id)
         if action in ("dump", "abort") and v.kind not in rt.dumped_kinds:
             rt.dumped_kinds.add(v.kind)

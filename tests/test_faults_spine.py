@@ -28,6 +28,7 @@ def test_hang_in_compute_names_the_stuck_rank_not_a_victim(tmp_path, train_scrip
     assert _t(hang["detected_at"]) - _t(hang["first_seen_at"]) <= 8 + 5
     assert hang["evidence"]["ranks"]["0"]["collective_seq"]["0"] > hang["evidence"]["ranks"]["2"]["collective_seq"]["0"]
     assert all(v["ranks"] == [2] for v in job.verdicts()), job.verdicts()
+    assert len(job.verdicts("hang")) == 1, "one hang, one verdict"
 
 
 def test_hang_with_adaptive_timeout_within_a_minute(tmp_path, train_script):
@@ -37,6 +38,7 @@ def test_hang_with_adaptive_timeout_within_a_minute(tmp_path, train_script):
     assert hang["ranks"] == [0]
     assert _t(hang["detected_at"]) - _t(hang["first_seen_at"]) <= 60
     assert job.exit_code != 0
+    assert len(job.verdicts()) == 1, job.verdicts()
 
 
 def test_hang_inside_a_dataloader_worker(tmp_path, train_script):
