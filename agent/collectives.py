@@ -24,7 +24,7 @@ import threading
 import time
 from typing import Any, Optional
 
-from .safety import guarded, log
+from .safety import guarded
 
 _PY_API_COLLECTIVES = (
     "all_reduce",
@@ -67,10 +67,6 @@ class CollectiveTracker:
         self.blackbox = None  # set by the agent: in-flight calls survive a fatal abort
 
     # -- Flight Recorder -------------------------------------------------------
-    @property
-    def flight_recorder_available(self) -> bool:
-        return _fr_module() is not None
-
     @guarded("collectives.pg_status", default={})
     def pg_status(self) -> dict[str, dict[str, int]]:
         """pg id -> {enqueued, completed}; cheap (no entries)."""

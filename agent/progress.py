@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import collections
 import math
-import threading
 import time
 from typing import Any, Callable, Optional
 
@@ -47,12 +46,10 @@ class Progress:
         self._observed_loss: Optional[float] = None
         self.loss_history: collections.deque[float] = collections.deque(maxlen=20)
         self.typical_loss: Optional[float] = None  # median |loss| of recent steps, refreshed every 5
-        self._lock = threading.Lock()
         # Per-step values provided by other parts (gradient checks, memory).
         self.step_extras: list[Callable[[StepRecord], None]] = []
         # pg id -> last enqueued seq, read at marked steps (set by the agent).
         self.read_collective_seqs: Optional[Callable[[], dict[str, int]]] = None
-        self.on_step_end: list[Callable[[StepRecord], None]] = []
         # Memory-mapped record the supervisor reads if the rank dies silently.
         self.blackbox = None
 
@@ -152,8 +149,6 @@ class Progress:
                 mark = CollectiveMark(step=self.step, seqs=seqs)
                 self.marks.append(mark)
                 self.unsent_marks.append(mark)
-        for callback in self.on_step_end:
-            callback(record)
         self.step += 1
         self._step_started_at = now
         self._first_forward_at = None

@@ -81,9 +81,6 @@ class CollectorMetrics:
             if latency <= bound:
                 self._latency_counts[i] += 1
 
-    def observe_bundle(self, bundle, received_at: float) -> None:
-        pass  # counted by the collector itself
-
     # -- exposition ------------------------------------------------------------------
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -7,7 +7,6 @@ runs embedded in the launcher (one run) or as the standalone service (many).
 
 from __future__ import annotations
 
-import datetime as _dt
 import logging
 import re
 import threading
@@ -246,8 +245,6 @@ class Collector:
             self._touch(run.run_id, urgent=True)
             self.store.save_bundle(run.run_id, bundle.manifest, str(path), len(data), now)
             self.bundles_received += 1
-        if self.metrics:
-            self.metrics.observe_bundle(bundle, now)
         return {"stored": str(path)}
 
     def _save_bundle_file(self, run_id: str, bundle: Bundle, data: bytes) -> Path:
@@ -490,7 +487,3 @@ def merge_evidence(a: RankEvidence, b: RankEvidence) -> RankEvidence:
         if inside.source != "agent":
             merged.source = outside.source
     return merged
-
-
-def utc(t: float) -> str:
-    return _dt.datetime.fromtimestamp(t, tz=_dt.timezone.utc).isoformat()

@@ -57,11 +57,6 @@ class RankState:
                 return event
         return None
 
-    def exit_event(self) -> Optional[wire.Event]:
-        for event in self.events:
-            if event.kind == "exit":
-                return event
-        return None
 
 
 @dataclass

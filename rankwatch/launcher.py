@@ -207,7 +207,7 @@ def run(argv: list[str]) -> int:
         exit_code = 1
         _say(f"launch failed: {type(exc).__name__}: {exc}")
     finally:
-        report = _finish(run_id, run_dir, supervisor, embedded, server, remote, interrupted, exits)
+        _finish(run_id, run_dir, supervisor, embedded, server, remote, interrupted, exits)
     if supervisor.aborted and exit_code == 0:
         exit_code = 1
     return exit_code

@@ -16,7 +16,6 @@ The culprits are the ranks that differ from the majority; with no majority
 from __future__ import annotations
 
 import os
-import signal
 from collections import Counter
 from typing import Optional
 
