@@ -293,6 +293,12 @@ class Collector:
         timeout = run.adaptive_timeout(cfg.startup_timeout, cfg.adaptive_floor, cfg.adaptive_multiplier)
         if run.hang_timeout is None and any(s.phase == "checkpoint" for s in run.ranks.values()):
             timeout = max(timeout, cfg.checkpoint_timeout)  # phase-aware: a checkpoint write takes long
+        reported = sum(1 for s in run.ranks.values() if s.last_heartbeat_at)
+        if reported == 0 or reported < run.world_size:
+            # Start-up: workers still import torch and join the rendezvous (slow
+            # on a loaded node). Even a fixed --hang-timeout waits this long for
+            # every rank's first word; a rank that never reports is still caught.
+            timeout = max(timeout, cfg.startup_timeout)
         stalled = now - run.last_progress_seen_at
         if stalled < timeout:
             return
@@ -312,11 +318,17 @@ class Collector:
         for rank in incident.requested_ranks:
             rt.agent_commands.setdefault(rank, []).append(
                 wire.Command(kind="dump", incident=incident.id, reason=reason))
+        # Ranks whose heartbeat thread stopped (GIL held, stuck in C code) cannot
+        # answer: the supervisor takes their native and faulthandler stacks.
+        stale_after = 3 * self.config.heartbeat_interval
+        stale = [r for r in incident.requested_ranks
+                 if incident.opened_at - run.ranks[r].last_heartbeat_at > stale_after]
         for key, node in run.nodes.items():
             ranks = [w.rank for w in node.workers if w.rank in incident.requested_ranks]
             if ranks:
                 rt.node_commands.setdefault(key, []).append(
-                    wire.Command(kind="capture", incident=incident.id, reason=reason, ranks=ranks))
+                    wire.Command(kind="capture", incident=incident.id, reason=reason, ranks=ranks,
+                                 details={"stale": [r for r in stale if r in ranks]}))
         self.store.save_incident(run.run_id, incident)
         log.info("run %s: %s incident %s opened; evidence requested from ranks %s",
                  run.run_id, reason, incident.id, incident.requested_ranks)
