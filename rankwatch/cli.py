@@ -1,11 +1,4 @@
-"""The ``rankwatch`` command.
-
-    rankwatch run [RANKWATCH OPTIONS] [TORCHRUN OPTIONS] SCRIPT [ARGS...]
-    rankwatch analyze PATH [--json]
-    rankwatch analyze PATH --plot FILE.png | --tensorboard DIR
-    rankwatch collector serve [--host H] [--port P] [--data-dir DIR]
-    rankwatch grafana push --url URL [--token T] [--prometheus-url URL]
-"""
+"""The ``rankwatch`` command: one sub-command per job rankwatch does."""
 
 from __future__ import annotations
 
@@ -18,13 +11,36 @@ from pathlib import Path
 
 from . import __version__, wire
 
-USAGE = __doc__
+COMMANDS = (
+    ("run", "launch a job with torchrun (same options), watched; writes report.json"),
+    ("analyze", "rebuild and print the report of a run dir, a folder of bundles or one bundle"),
+    ("collector", "the standalone collector service for multi-node jobs (collector serve)"),
+    ("grafana", "push the dashboards to Grafana and annotate verdicts (grafana push)"),
+)
+
+
+def usage() -> str:
+    width = max(len(name) for name, _ in COMMANDS)
+    lines = [f"rankwatch {__version__}: names the culprit rank and the cause when distributed PyTorch training misbehaves.",
+             "",
+             "usage: rankwatch COMMAND [OPTIONS]",
+             "",
+             "commands:"]
+    lines += [f"  {name.ljust(width)}  {text}" for name, text in COMMANDS]
+    lines += ["",
+              "examples:",
+              "  rankwatch run --nproc-per-node 4 train.py --epochs 3",
+              "  rankwatch analyze rankwatch-runs/<run-id>",
+              "  rankwatch collector serve --host 0.0.0.0 --port 8765 --token $TOKEN",
+              "",
+              "'rankwatch COMMAND --help' shows a command's options."]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE.strip())
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     if argv[0] == "--version":
         print(f"rankwatch {__version__}")
@@ -42,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         from .grafana import main as grafana_main
 
         return grafana_main(rest)
-    print(f"rankwatch: unknown command {command!r}\n\n{USAGE.strip()}", file=sys.stderr)
+    print(f"rankwatch: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
     return 2
 
 

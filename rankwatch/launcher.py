@@ -28,12 +28,32 @@ from . import config as config_mod
 from . import wire
 
 OUR_OPTIONS = ("run_dir", "collector", "hang_timeout", "on_hang", "config")
+OUR_FLAGS = frozenset({"--run-dir", "--collector", "--hang-timeout", "--on-hang", "--config"})
+
+
+def _exact_own_options(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Match rankwatch's own flags exactly, never by prefix.
+
+    torchrun's parser accepts unambiguous prefixes of its options (``--nproc``
+    for ``--nproc-per-node``, ``--run`` for ``--run-path``). Our flags must not
+    change what a prefix means there, so they are left out of prefix matching:
+    every command line plain torchrun accepts parses the same way here.
+    """
+    base = type(parser)
+
+    class ExactOwnOptionsParser(base):  # type: ignore[misc, valid-type]
+        def _get_option_tuples(self, option_string):  # argparse's prefix lookup
+            found = super()._get_option_tuples(option_string)
+            return [t for t in found if t[1] not in OUR_FLAGS]
+
+    parser.__class__ = ExactOwnOptionsParser
+    return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
     from torch.distributed.run import get_args_parser
 
-    parser = get_args_parser()
+    parser = _exact_own_options(get_args_parser())
     parser.prog = "rankwatch run"
     parser.description = "Launch a distributed PyTorch job with torchrun, watched by rankwatch."
     group = parser.add_argument_group("rankwatch")
@@ -166,8 +186,9 @@ def run(argv: list[str]) -> int:
 
     env = worker_environment(run_dir)
     env.update(config_mod.to_env(cfg))
+    # RANKWATCH_<KEY> for every key; RANKWATCH_COLLECTOR_URL is the old name, kept for older agents.
     env.update({"RANKWATCH_RUN_ID": run_id, "RANKWATCH_RUN_DIR": str(run_dir),
-                "RANKWATCH_COLLECTOR_URL": collector_url})
+                "RANKWATCH_COLLECTOR": collector_url, "RANKWATCH_COLLECTOR_URL": collector_url})
     os.environ.update(env)
 
     from .supervisor import NodeSupervisor

@@ -1,0 +1,54 @@
+"""The command line a user types: help text, torchrun's options unchanged, config names."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from rankwatch import config as config_mod
+from rankwatch.launcher import build_parser
+
+
+def test_help_lists_every_command_with_one_line_and_no_markup():
+    out = subprocess.run([sys.executable, "-m", "rankwatch.cli", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0
+    for command in ("run", "analyze", "collector", "grafana"):
+        line = next(l for l in out.stdout.splitlines() if l.strip().startswith(command + " "))
+        assert len(line.split(None, 1)[1]) > 10, line
+    assert "``" not in out.stdout and ":class:" not in out.stdout
+
+
+@pytest.mark.parametrize("argv, expected", [
+    # torchrun's own prefixes keep their meaning next to our flags.
+    (["--run-p", "t.py"], {"run_path": True}),
+    (["--log-d", "L", "t.py"], {"log_dir": "L"}),
+    # our flags, exactly, with a space or '='.
+    (["--run-dir", "d", "--nproc-per-node", "2", "t.py"], {"run_dir": "d", "nproc_per_node": "2"}),
+    (["--run-dir=d", "--collector=http://c:1", "t.py"], {"run_dir": "d", "collector": "http://c:1"}),
+    # a script's own flags after the script are the script's.
+    (["t.py", "--co", "1", "--run-dir", "x"], {"training_script_args": ["--co", "1", "--run-dir", "x"]}),
+])
+def test_torchrun_command_lines_parse_as_torchrun_parses_them(argv, expected):
+    args = build_parser().parse_args(argv)
+    assert args.training_script == "t.py"
+    for key, value in expected.items():
+        assert getattr(args, key) == value, key
+
+
+@pytest.mark.parametrize("prefix", ["--co", "--run-d", "--hang", "--on-h", "--conf"])
+def test_our_flags_are_never_matched_by_prefix(prefix, capsys):
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args([prefix, "x", "t.py"])
+    assert exc.value.code == 2
+
+
+def test_every_config_key_reads_its_own_env_name():
+    env = {"RANKWATCH_COLLECTOR": "http://collector:8765", "RANKWATCH_TOKEN": "t0k",
+           "RANKWATCH_HANG_TIMEOUT": "12", "RANKWATCH_ON_HANG": "wait"}
+    cfg = config_mod.load(env=env)
+    assert (cfg.collector, cfg.token, cfg.hang_timeout, cfg.on_hang) == ("http://collector:8765", "t0k", 12.0, "wait")
+    for key in config_mod.Config.keys():
+        assert "RANKWATCH_" + key.upper() in config_mod.to_env(config_mod.Config(**{key: getattr(cfg, key)})) \
+            or getattr(cfg, key) is None
