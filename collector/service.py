@@ -381,7 +381,9 @@ class Collector:
             key = (v.kind, ",".join(map(str, v.ranks)))
             if key not in rt.first_detected:
                 rt.first_detected[key] = v.detected_at
-                log.warning("run %s: %s on %s: %s", run.run_id, v.kind, v.ranks, v.summary)
+                # One line as it happens; the full summary is printed once, in the final report.
+                log.warning("run %s: %s on rank(s) %s at step %s (details in the report)",
+                            run.run_id, v.kind, ",".join(map(str, v.ranks)), v.step)
                 for callback in self.on_verdict:
                     try:
                         callback(run.run_id, v)
