@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 
 from rankwatch import wire
 from rankwatch.bundles import Bundle, BundleError, unpack
+from rankwatch import config as config_mod
 from rankwatch.config import Config
 
 from . import analyses, report as report_mod
@@ -376,7 +377,8 @@ class Collector:
 
     def _analyse(self, run: RunState, now: float, final: bool) -> list[wire.Verdict]:
         rt = self._runtime(run.run_id)
-        found = analyses.run_all(run, now, final)
+        ignored = config_mod.ignored_kinds(self.config)
+        found = [v for v in analyses.run_all(run, now, final) if v.kind not in ignored]
         for v in found:
             key = (v.kind, ",".join(map(str, v.ranks)))
             if key not in rt.first_detected:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
 
 from . import __version__, wire
+from . import config as config_mod
 
 COMMANDS = (
     ("run", "launch a job with torchrun (same options), watched; writes report.json"),
@@ -69,6 +71,7 @@ def analyze(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="print report.json instead of text")
     parser.add_argument("--plot", metavar="FILE.png", help="draw the run's per-rank picture (matplotlib)")
     parser.add_argument("--tensorboard", metavar="DIR", help="write per-rank series and verdicts for TensorBoard")
+    parser.add_argument("--config", default=None, help="YAML settings; on_<kind>: ignore silences a kind, as in the run")
     args = parser.parse_args(argv)
     from rankwatch.collector import report as report_mod
     from rankwatch.collector.offline import AnalyzeError, analyze_path
@@ -78,6 +81,14 @@ def analyze(argv: list[str]) -> int:
     except AnalyzeError as exc:
         print(f"rankwatch analyze: {exc}", file=sys.stderr)
         return 2
+    try:
+        ignored = config_mod.ignored_kinds(config_mod.load(env=os.environ, file=args.config))
+    except config_mod.ConfigError as exc:
+        print(f"rankwatch analyze: {exc}", file=sys.stderr)
+        return 2
+    if ignored:
+        report.verdicts = [v for v in report.verdicts if v.kind not in ignored]
+        report.status = "faulty" if report.verdicts else "healthy"
     if args.plot or args.tensorboard:
         from rankwatch.collector.offline import load
 
@@ -110,7 +121,6 @@ def collector(argv: list[str]) -> int:
     serve.add_argument("--hang-timeout", dest="hang_timeout", default=None)
     serve.add_argument("--on-hang", dest="on_hang", choices=("abort", "wait"), default=None)
     args = parser.parse_args(argv)
-    from . import config as config_mod
     from rankwatch.collector import Collector, CollectorServer
 
     cfg = config_mod.load(flags={"hang_timeout": args.hang_timeout, "on_hang": args.on_hang,

@@ -16,7 +16,9 @@ from typing import Any, Mapping, Optional
 ENV_PREFIX = "RANKWATCH_"
 
 
-ACTIONS = ("report", "dump", "abort")
+# What the collector does on a verdict of a kind (on_<kind>); "ignore" silences
+# that check for the run (no verdict), for a known false alarm.
+ACTIONS = ("report", "dump", "abort", "ignore")
 
 
 class ConfigError(ValueError):
@@ -162,6 +164,12 @@ def validate(config: Config) -> None:
         raise ConfigError("hang_timeout must be positive seconds")
     if config.heartbeat_interval <= 0:
         raise ConfigError("heartbeat_interval must be positive seconds")
+
+
+def ignored_kinds(config: Config) -> frozenset[str]:
+    """Verdict kinds the user silenced with ``on_<kind>: ignore``."""
+    return frozenset(key[3:] for key in Config.keys()
+                     if key.startswith("on_") and getattr(config, key) == "ignore")
 
 
 def to_env(config: Config) -> dict[str, str]:

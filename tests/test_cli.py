@@ -52,3 +52,10 @@ def test_every_config_key_reads_its_own_env_name():
     for key in config_mod.Config.keys():
         assert "RANKWATCH_" + key.upper() in config_mod.to_env(config_mod.Config(**{key: getattr(cfg, key)})) \
             or getattr(cfg, key) is None
+
+
+def test_on_kind_ignore_silences_that_kind_only():
+    cfg = config_mod.load(env={"RANKWATCH_ON_STRAGGLER": "ignore"})
+    assert config_mod.ignored_kinds(cfg) == {"straggler"}
+    with pytest.raises(config_mod.ConfigError):
+        config_mod.load(env={"RANKWATCH_ON_STRAGGLER": "silence"})
