@@ -6,9 +6,16 @@ is for what cannot be seen from outside:
     import rankwatch.agent as rw
     rw.observe(loss=loss)        # the loss as the script defines it
 
-and for launchers other than ``rankwatch run`` (Ray Train workers):
+and for launchers other than ``rankwatch run`` (plain torchrun, Ray Train
+workers, Slurm's srun), called before the model is wrapped in DDP:
 
     rw.attach()                  # reads RANKWATCH_* and torch's RANK/WORLD_SIZE env
+
+Environment read by the agent: RANKWATCH_COLLECTOR (collector URL; the older
+RANKWATCH_COLLECTOR_URL is accepted too), RANKWATCH_TOKEN, RANKWATCH_RUN_ID
+(else TORCHELASTIC_RUN_ID), RANKWATCH_RUN_DIR, RANKWATCH_HOST, every other
+RANKWATCH_<KEY> of the configuration, and torch's RANK, LOCAL_RANK,
+WORLD_SIZE, GROUP_RANK, TORCHELASTIC_RESTART_COUNT.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ def attach() -> Optional[Agent]:
     try:
         agent = Agent.from_env()
         agent.install()
+        agent.watch_exit()  # no bootstrap around the script: see its end ourselves
         return agent
     except Exception as exc:
         from .safety import log

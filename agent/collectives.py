@@ -24,6 +24,7 @@ import threading
 import time
 from typing import Any, Optional
 
+from .patching import Patches, argument, binding_error
 from .safety import guarded
 
 _PY_API_COLLECTIVES = (
@@ -42,6 +43,13 @@ _PY_API_COLLECTIVES = (
     "gather",
     "scatter",
     "monitored_barrier",
+    # newer names and the object / coalesced variants (skipped where torch lacks them)
+    "all_gather_single",
+    "reduce_scatter_single",
+    "all_reduce_coalesced",
+    "all_gather_coalesced",
+    "gather_object",
+    "scatter_object_list",
 )
 
 # Frames in these folders are ours or torch's: the call site is the first frame outside.
@@ -97,7 +105,7 @@ class CollectiveTracker:
             return None, f"Flight Recorder dump failed: {type(exc).__name__}: {exc}"
 
     # -- Python API call sites ---------------------------------------------------
-    def install(self) -> None:
+    def install(self, patches: Patches) -> None:
         if self._installed:
             return
         import torch
@@ -107,12 +115,9 @@ class CollectiveTracker:
         self._torch_dir = os.path.dirname(torch.__file__)
         for name in _PY_API_COLLECTIVES:
             original = getattr(c10d, name, None)
-            if original is None or getattr(original, "__rankwatch_wrapped__", False):
-                continue
-            wrapped = self._wrap(name, original)
-            setattr(c10d, name, wrapped)
-            if getattr(dist, name, None) is original:
-                setattr(dist, name, wrapped)
+            wrapped = patches.apply(c10d, name, lambda fn, name=name: self._wrap(name, fn))
+            if wrapped is not None:
+                patches.alias(dist, name, original, wrapped)
         self._installed = True
 
     def _wrap(self, op: str, fn):
@@ -124,24 +129,27 @@ class CollectiveTracker:
             if getattr(local, "depth", 0):  # nested (e.g. barrier -> all_reduce): record the outer call
                 return fn(*args, **kwargs)
             local.depth = 1
-            call = tracker._enter(op, args)
+            # The first parameter of every collective is its tensor (or list),
+            # passed by position or by keyword (tensor=, tensor_list=, ...).
+            call = tracker._enter(op, argument(fn, args, kwargs, 0))
             try:
                 result = fn(*args, **kwargs)
             except BaseException:
-                # Keep the black box's in-flight record: this call is where the
-                # rank failed, and it may be killed before it can say so.
                 local.depth = 0
-                tracker._leave(call, clear=False)
+                # Keep the black box's in-flight record: this call is where the
+                # rank failed, and it may be killed before it can say so. A
+                # wrong call (arguments that do not bind) never started.
+                wrong = _wrong_call(fn, args, kwargs)
+                tracker._leave(call, clear=wrong, started=not wrong)
                 raise
             local.depth = 0
             tracker._leave(call)
             return result
 
-        collective.__rankwatch_wrapped__ = True  # type: ignore[attr-defined]
         return collective
 
     @guarded("collectives.callsite")
-    def _enter(self, op: str, args: tuple) -> Optional[dict[str, Any]]:
+    def _enter(self, op: str, tensor: Any) -> Optional[dict[str, Any]]:
         frame = sys._getframe(1)
         site = None
         while frame is not None:
@@ -154,7 +162,6 @@ class CollectiveTracker:
                 site = f"{filename}:{frame.f_lineno} in {frame.f_code.co_name}"
                 break
             frame = frame.f_back
-        tensor = args[0] if args else None
         numel = int(tensor.numel()) if hasattr(tensor, "numel") else 0
         call = {"op": op, "started_ns": time.time_ns(), "ended_ns": 0, "thread": threading.get_ident(),
                 "callsite": site or "<unknown>", "numel": numel}
@@ -164,14 +171,26 @@ class CollectiveTracker:
         return call
 
     @guarded("collectives.callsite")
-    def _leave(self, call: Optional[dict[str, Any]], clear: bool = True) -> None:
+    def _leave(self, call: Optional[dict[str, Any]], clear: bool = True, started: bool = True) -> None:
         if call is None:
             return
         call["ended_ns"] = time.time_ns()
+        if not started:  # a call with wrong arguments is no collective
+            try:
+                self.calls.remove(call)
+            except ValueError:
+                pass
         if not clear:
             call["failed"] = True
         elif self.blackbox is not None:
             self.blackbox.leave_collective()
+
+
+def _wrong_call(fn, args: tuple, kwargs: dict) -> bool:
+    try:
+        return binding_error(fn, args, kwargs)
+    except Exception:
+        return False
 
 
 def _dist_initialized() -> bool:

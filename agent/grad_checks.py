@@ -27,34 +27,48 @@ import torch
 
 from rankwatch.wire import StepRecord
 
+from .patching import Patches, argument, binding_error
 from .safety import guarded, log
 
 if TYPE_CHECKING:
     from .runtime import Agent
 
-_PATCHED = False
 MAX_NAMED = 8
+
+# Module-wide patches (one DDP class, one GradScaler class for every agent).
+_PATCHES = Patches()
+
+
+def unpatch() -> None:
+    _PATCHES.undo()
+    _CHECKERS.clear()
 
 
 def _patch_register_comm_hook() -> None:
     """Let users keep calling ``register_comm_hook``: their hook is wrapped."""
-    global _PATCHED
-    if _PATCHED:
-        return
     from torch.nn.parallel import DistributedDataParallel
 
-    original = DistributedDataParallel.register_comm_hook
+    def make(original):
+        @functools.wraps(original)
+        def register_comm_hook(*args, **kwargs):
+            # Same calls as the original: (ddp, state, hook), by position or name.
+            ddp = argument(original, args, kwargs, 0)
+            checker = getattr(ddp, "_rankwatch_grad_checker", None)
+            if checker is None or checker.registered or binding_error(original, args, kwargs):
+                return original(*args, **kwargs)
+            return checker.register(original, argument(original, args, kwargs, 1),
+                                    argument(original, args, kwargs, 2))
 
-    @functools.wraps(original)
-    def register_comm_hook(ddp, state, hook):
-        checker = getattr(ddp, "_rankwatch_grad_checker", None)
-        if checker is None or checker.registered:
-            return original(ddp, state, hook)
-        return checker.register(original, state, hook)
+        return register_comm_hook
 
-    DistributedDataParallel.register_comm_hook = register_comm_hook
-    DistributedDataParallel._rankwatch_original_register_comm_hook = original
-    _PATCHED = True
+    _PATCHES.apply(DistributedDataParallel, "register_comm_hook", make)
+
+
+def _original_register_comm_hook():
+    from torch.nn.parallel import DistributedDataParallel
+
+    fn = DistributedDataParallel.register_comm_hook
+    return getattr(fn, "__wrapped__", fn) if getattr(fn, "__rankwatch_wrapped__", False) else fn
 
 
 class _DeferredRead:
@@ -122,8 +136,7 @@ class GradChecker:
         try:
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-            original = type(self.ddp)._rankwatch_original_register_comm_hook
-            self.register(original, None, allreduce_hook)
+            self.register(_original_register_comm_hook(), None, allreduce_hook)
         except Exception as exc:  # a built-in C++ hook is already there, or DDP refused
             self.registered = True
             log(f"local gradient checks off for this model: {type(exc).__name__}: {exc}")
@@ -315,18 +328,22 @@ def _patch_grad_scaler() -> None:
         from torch.amp.grad_scaler import GradScaler
     except ImportError:
         return
-    if getattr(GradScaler.scale, "__rankwatch_wrapped__", False):
-        return
-    original = GradScaler.scale
 
-    @functools.wraps(original)
-    def scale(scaler, outputs):
-        for checker in _CHECKERS:
-            checker.scaler_in_use = True
-        return original(scaler, outputs)
+    def make(original):
+        @functools.wraps(original)
+        def scale(*args, **kwargs):
+            for checker in _CHECKERS:
+                checker.scaler_in_use = True
+            result = original(*args, **kwargs)
+            if _CHECKERS and isinstance(result, torch.Tensor):
+                unscaled = argument(original, args, kwargs, 1)
+                if isinstance(unscaled, torch.Tensor):
+                    _CHECKERS[-1].agent.progress.note_scaled(result, unscaled)
+            return result
 
-    scale.__rankwatch_wrapped__ = True  # type: ignore[attr-defined]
-    GradScaler.scale = scale
+        return scale
+
+    _PATCHES.apply(GradScaler, "scale", make)
 
 
 def attach(agent: "Agent", ddp) -> Optional[GradChecker]:

@@ -14,11 +14,19 @@ from __future__ import annotations
 import collections
 import math
 import time
+import weakref
 from typing import Any, Callable, Optional
 
 from rankwatch.wire import CollectiveMark, StepRecord
 
 from .safety import guarded
+
+
+def _weak(obj: Any) -> Callable[[], Any]:
+    try:
+        return weakref.ref(obj)
+    except TypeError:  # an optimizer-like object without weak references: keep it
+        return lambda: obj
 
 
 class Progress:
@@ -36,7 +44,8 @@ class Progress:
         self.unsent: collections.deque[StepRecord] = collections.deque(maxlen=window)
         self.marks: collections.deque[CollectiveMark] = collections.deque(maxlen=window)
         self.unsent_marks: collections.deque[CollectiveMark] = collections.deque(maxlen=window)
-        self._opt_counts: dict[int, int] = {}
+        self._lead: Optional[Callable[[], Any]] = None  # weak reference to the lead optimizer
+        self._others: set[int] = set()  # other optimizers that stepped since the lead did
         self._step_started_at = now
         self._first_forward_at: Optional[float] = None
         self._backward_started_at: Optional[float] = None
@@ -44,6 +53,7 @@ class Progress:
         self._forwards_in_step = 0
         self._loss: Any = None
         self._observed_loss: Optional[float] = None
+        self._scaled: Optional[tuple[Any, Any]] = None
         self.loss_history: collections.deque[float] = collections.deque(maxlen=20)
         self.typical_loss: Optional[float] = None  # median |loss| of recent steps, refreshed every 5
         # Per-step values provided by other parts (gradient checks, memory).
@@ -74,7 +84,7 @@ class Progress:
         self._forwards_in_step += 1
         if self._first_forward_at is None:
             self._first_forward_at = now
-            if self.step == 0 and not self._opt_counts:
+            if self.step == 0 and self._lead is None:
                 # The first step starts at its first forward, not at process start
                 # (imports, process group and model set-up are not step time).
                 self._step_started_at = now
@@ -88,12 +98,22 @@ class Progress:
         now = time.time()
         if self._backward_started_at is None:
             self._backward_started_at = now
+        scaled = self._scaled
+        if scaled is not None and scaled[0]() is loss:
+            loss = scaled[1]  # GradScaler: the loss before scaling (the scale is not the model's)
         # Keep a reference only; it is read once the step is over (no sync here).
         self._loss = loss
         self.phase = "backward"
         self.phase_since = now
         self.last_progress_at = now
         self._record()
+
+    def note_scaled(self, scaled: Any, unscaled: Any) -> None:
+        """GradScaler.scale(loss) returned ``scaled``; its backward is the loss's."""
+        try:
+            self._scaled = (weakref.ref(scaled), unscaled)
+        except TypeError:
+            self._scaled = None
 
     def on_backward_done(self, at: float) -> None:
         """Called when this rank's local backward reached the last gradient
@@ -113,12 +133,27 @@ class Progress:
 
     @guarded("progress.optimizer")
     def on_optimizer_post(self, optimizer, args, kwargs) -> None:
+        # One step per training iteration, whatever the number of optimizers:
+        # the step ends when the *lead* optimizer steps (the first one seen).
+        # Others stepping in between (a GAN's generator, an actor and a critic,
+        # a wrapper and the optimizer it wraps) belong to the same step. An
+        # optimizer that steps twice while the lead did not takes the lead: the
+        # old one was replaced (a re-created optimizer, a new training phase) or
+        # steps less often than it.
         key = id(optimizer)
-        count = self._opt_counts.get(key, 0) + 1
-        self._opt_counts[key] = count
-        if count <= self.step:
-            return  # a second optimizer stepping in the same iteration
-        self._end_step(time.time())
+        lead = self._lead() if self._lead is not None else None
+        if lead is None or key == id(lead):
+            if lead is None:
+                self._lead = _weak(optimizer)
+            self._others.clear()
+            self._end_step(time.time())
+            return
+        if key in self._others:
+            self._lead = _weak(optimizer)
+            self._others.clear()
+            self._end_step(time.time())
+            return
+        self._others.add(key)
 
     def _end_step(self, now: float) -> None:
         started = self._step_started_at
@@ -157,6 +192,7 @@ class Progress:
         self._forwards_in_step = 0
         self._loss = None
         self._observed_loss = None
+        self._scaled = None
         self.phase = "data"
         self.phase_since = now
         self.last_progress_at = now
@@ -181,13 +217,29 @@ class Progress:
         return value if math.isfinite(value) else value  # keep NaN/Inf: they are the signal
 
     # -- heartbeat thread ------------------------------------------------------
-    def take_unsent(self) -> tuple[list[StepRecord], list[CollectiveMark]]:
+    def take_unsent(self, limit: int = 0) -> tuple[list[StepRecord], list[CollectiveMark], int]:
+        """What the next heartbeat carries: (steps, marks, records left out).
+
+        With ``limit``, at most about that many step records (and marks) go in
+        one beat: at high step rates every 2^k-th step is kept (and always the
+        newest). Powers of two make the choice the same on every rank (a
+        coarser choice is a subset of a finer one), so the collector still
+        compares ranks at the same steps.
+        """
         steps, marks = [], []
         while self.unsent:
             steps.append(self.unsent.popleft())
         while self.unsent_marks:
             marks.append(self.unsent_marks.popleft())
-        return steps, marks
+        skipped = 0
+        if limit and len(steps) > limit:
+            before = len(steps)
+            steps = _thin(steps, lambda r: r.step, limit)
+            skipped = before - len(steps)
+        if limit and len(marks) > limit:
+            every = max(1, self.mark_every)
+            marks = _thin(marks, lambda m: m.step // every, limit)
+        return steps, marks, skipped
 
     def give_back(self, steps: list[StepRecord], marks: list[CollectiveMark]) -> None:
         """Re-queue what a failed send carried (bounded: the oldest fall off)."""
@@ -197,3 +249,20 @@ class Progress:
         for mark in reversed(marks):
             if len(self.unsent_marks) < (self.unsent_marks.maxlen or 0):
                 self.unsent_marks.appendleft(mark)
+
+
+def _thin(items: list, key: Callable[[Any], int], limit: int) -> list:
+    """Items whose key is a multiple of the smallest power of two that keeps
+    at most ``limit`` of them, plus the newest."""
+    span = max(1, key(items[-1]) - key(items[0]) + 1)
+    stride = 1
+    while span > limit * stride:
+        stride *= 2
+    while True:
+        kept = [item for item in items if key(item) % stride == 0]
+        if len(kept) <= limit:
+            break
+        stride *= 2
+    if not kept or kept[-1] is not items[-1]:
+        kept.append(items[-1])
+    return kept

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import faulthandler
 import functools
+import json
+import operator
 import os
 import signal
 import socket
@@ -25,7 +27,8 @@ from rankwatch import wire
 
 from . import bundle as bundle_mod
 from .collectives import CollectiveTracker
-from .progress import Progress
+from .patching import Patches
+from .progress import Progress, _thin
 from .safety import guarded, log
 from .stacks import format_exception
 from .transport import CollectorUnreachable, Transport
@@ -58,6 +61,12 @@ def identity_from_env(env=os.environ) -> wire.RankIdentity:
     )
 
 
+def collector_url_from_env(config: config_mod.Config, env=os.environ) -> Optional[str]:
+    """RANKWATCH_COLLECTOR (the RANKWATCH_<KEY> rule for the key `collector`,
+    already in config.collector), else the older RANKWATCH_COLLECTOR_URL."""
+    return config.collector or env.get("RANKWATCH_COLLECTOR_URL") or None
+
+
 class Agent:
     def __init__(self, config: config_mod.Config, identity: wire.RankIdentity, collector_url: Optional[str]):
         self.config = config
@@ -80,12 +89,14 @@ class Agent:
         self.ddp_modules: list[Any] = []
         self.extensions: list[Any] = []  # parts that answer collector commands
         self.memory = None
+        self.patches = Patches()
+        self._hook_handles: list[Any] = []
 
     # -- lifecycle ---------------------------------------------------------------
     @classmethod
     def from_env(cls) -> "Agent":
         config = config_mod.load(env=os.environ)
-        return cls(config, identity_from_env(), os.environ.get("RANKWATCH_COLLECTOR_URL"))
+        return cls(config, identity_from_env(), collector_url_from_env(config))
 
     def install(self) -> None:
         global _current
@@ -146,34 +157,42 @@ class Agent:
 
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-        register_optimizer_step_pre_hook(self.progress.on_optimizer_pre)
-        register_optimizer_step_post_hook(self.progress.on_optimizer_post)
+        self._hook_handles.append(register_optimizer_step_pre_hook(self.progress.on_optimizer_pre))
+        self._hook_handles.append(register_optimizer_step_post_hook(self.progress.on_optimizer_post))
 
         if dist.is_available():
-            self.collectives.install()
+            self.collectives.install(self.patches)
             self._wrap_init_process_group()
 
         progress = self.progress
-        original_backward = torch.Tensor.backward
 
-        @functools.wraps(original_backward)
-        def backward(tensor, *args, **kwargs):
-            progress.on_backward(tensor)
-            return original_backward(tensor, *args, **kwargs)
+        # Every wrapper takes (*args, **kwargs) and passes them on untouched, so
+        # it accepts exactly the calls its original accepts (see patching.py).
+        def make_backward(original):
+            @functools.wraps(original)
+            def backward(*args, **kwargs):
+                if args:
+                    progress.on_backward(args[0])
+                return original(*args, **kwargs)
 
-        torch.Tensor.backward = backward
+            return backward
+
+        self.patches.apply(torch.Tensor, "backward", make_backward)
 
         from torch.nn.parallel import DistributedDataParallel
 
-        original_init = DistributedDataParallel.__init__
         agent = self
 
-        @functools.wraps(original_init)
-        def ddp_init(module, *args, **kwargs):
-            original_init(module, *args, **kwargs)
-            agent.on_ddp_created(module)
+        def make_ddp_init(original):
+            @functools.wraps(original)
+            def ddp_init(*args, **kwargs):
+                original(*args, **kwargs)
+                if args:  # args[0] is the DistributedDataParallel being built
+                    agent.on_ddp_created(args[0])
 
-        DistributedDataParallel.__init__ = ddp_init
+            return ddp_init
+
+        self.patches.apply(DistributedDataParallel, "__init__", make_ddp_init)
         self._wrap_checkpointing()
 
     def _wrap_checkpointing(self) -> None:
@@ -189,43 +208,62 @@ class Agent:
         except Exception:
             pass
         progress = self.progress
+
+        def make(original):
+            @functools.wraps(original)
+            def save(*args, **kwargs):
+                previous = progress.phase
+                progress.set_phase("checkpoint")
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    progress.set_phase(previous)
+
+            return save
+
         for module, name in targets:
-            original = getattr(module, name, None)
-            if original is None or getattr(original, "__rankwatch_wrapped__", False):
-                continue
-
-            def make(original):
-                @functools.wraps(original)
-                def save(*args, **kwargs):
-                    previous = progress.phase
-                    progress.set_phase("checkpoint")
-                    try:
-                        return original(*args, **kwargs)
-                    finally:
-                        progress.set_phase(previous)
-
-                save.__rankwatch_wrapped__ = True
-                return save
-
-            setattr(module, name, make(original))
+            self.patches.apply(module, name, make)
 
     def _wrap_init_process_group(self) -> None:
         import torch.distributed as dist
         import torch.distributed.distributed_c10d as c10d
 
-        original = c10d.init_process_group
         progress = self.progress
 
-        @functools.wraps(original)
-        def init_process_group(*args, **kwargs):
-            progress.set_phase("init_process_group")
-            result = original(*args, **kwargs)
-            progress.set_phase("setup")
-            return result
+        def make(original):
+            @functools.wraps(original)
+            def init_process_group(*args, **kwargs):
+                progress.set_phase("init_process_group")
+                result = original(*args, **kwargs)
+                progress.set_phase("setup")
+                return result
 
-        c10d.init_process_group = init_process_group
-        if dist.init_process_group is original:
-            dist.init_process_group = init_process_group
+            return init_process_group
+
+        original = c10d.init_process_group
+        wrapper = self.patches.apply(c10d, "init_process_group", make)
+        if wrapper is not None:
+            self.patches.alias(dist, "init_process_group", original, wrapper)
+
+    def uninstall(self) -> None:
+        """Undo install(): patches, hooks, heartbeat thread. For tests and for
+        long-lived processes that detach (a Ray actor reused for another job)."""
+        global _current
+        self._stop.set()
+        self.patches.undo()
+        for handle in self._hook_handles:
+            try:
+                handle.remove()
+            except Exception:
+                pass
+        self._hook_handles.clear()
+        from . import grad_checks
+
+        grad_checks.unpatch()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
+        if _current is self:
+            _current = None
 
     @guarded("agent.ddp")
     def on_ddp_created(self, ddp) -> None:
@@ -287,7 +325,28 @@ class Agent:
         except Exception:
             pass
 
-    def shutdown(self, exit_code: int) -> None:
+    def watch_exit(self) -> None:
+        """Attached from inside the script (no bootstrap around it): learn of
+        an uncaught exception through sys.excepthook (chained, the user's hook
+        still runs) and of the end through atexit. The exit code of a
+        SystemExit is not visible from there: it is reported as unknown (the
+        launcher or supervisor sees the real one)."""
+        import atexit
+        import sys
+
+        previous = sys.excepthook
+        failed: list[int] = []
+
+        def excepthook(exc_type, exc, tb):
+            if _current is self and not isinstance(exc, (SystemExit, KeyboardInterrupt)):
+                failed.append(1)
+                self.on_exception(exc)
+            previous(exc_type, exc, tb)
+
+        sys.excepthook = excepthook
+        atexit.register(lambda: _current is self and self.shutdown(1 if failed else None))
+
+    def shutdown(self, exit_code: Optional[int]) -> None:
         try:
             self.record_event("exit", exit_code=exit_code, phase=self.progress.phase)
             self.progress.set_phase("exited")
@@ -297,6 +356,18 @@ class Agent:
             pass
 
     # -- heartbeat -----------------------------------------------------------------
+    # A beat carries what changed since the last acknowledged one: new step
+    # records as compact rows (at most HEARTBEAT_STEP_CAP; at high step rates
+    # every 2^k-th step, the same steps on every rank), new marks, events and
+    # fingerprints (parameter names only when they changed), and the
+    # collective counters and host memory only when they moved. Every
+    # FULL_BEAT_EVERY-th beat, and the first after a failure, carries all of
+    # it, so a collector that restarted is whole again within that many beats.
+    # Encoding is plain tuples and dicts (no dataclasses.asdict per record).
+    HEARTBEAT_STEP_CAP = 64
+    FINGERPRINTS_PER_BEAT = 4
+    FULL_BEAT_EVERY = 30
+
     def _heartbeat_loop(self) -> None:
         interval = self.config.heartbeat_interval
         while not self._stop.wait(interval):
@@ -305,31 +376,62 @@ class Agent:
             except Exception as exc:  # the thread must survive anything
                 log(f"heartbeat error: {type(exc).__name__}: {exc}")
 
-    def make_heartbeat(self) -> wire.Heartbeat:
+    def _beat_state(self) -> "_BeatState":
+        state = self.__dict__.get("_beats")
+        if state is None:
+            state = self.__dict__["_beats"] = _BeatState()
+        return state
+
+    def make_heartbeat(self) -> "_Beat":
+        """The next beat's JSON body (and what it took, for a failed send)."""
+        beats = self._beat_state()
         progress = self.progress
-        steps, marks = progress.take_unsent()
+        steps, marks, skipped = progress.take_unsent(self.HEARTBEAT_STEP_CAP)
         with self._lock:
             events, self._unsent_events = self._unsent_events, []
             fingerprints, self._unsent_fingerprints = self._unsent_fingerprints, []
+        if len(fingerprints) > self.FINGERPRINTS_PER_BEAT:
+            every = max(1, self.config.fingerprint_every)
+            fingerprints = _thin([f for f in fingerprints if isinstance(f.get("step"), int)],
+                                 lambda f: (f["step"] + 1) // every, self.FINGERPRINTS_PER_BEAT)
         status = self.collectives.pg_status()
+        enqueued = {pg: st["enqueued"] for pg, st in status.items()}
+        completed = {pg: st["completed"] for pg, st in status.items()}
+        host_memory = self._host_memory()
+        full = beats.since_full >= self.FULL_BEAT_EVERY or beats.failed
         self._heartbeat_seq += 1
-        return wire.Heartbeat(
-            identity=self.identity,
-            sent_at=time.time(),
-            seq=self._heartbeat_seq,
-            step=progress.step,
-            forwards=progress.forwards,
-            phase=progress.phase,
-            phase_since=progress.phase_since,
-            last_progress_at=progress.last_progress_at,
-            collectives_enqueued={pg: st["enqueued"] for pg, st in status.items()},
-            collectives_completed={pg: st["completed"] for pg, st in status.items()},
-            steps=steps,
-            marks=marks,
-            events=events,
-            fingerprints=fingerprints,
-            host_memory=self._host_memory(),
-        )
+        body: dict[str, Any] = {
+            "version": wire.WIRE_VERSION,
+            "identity": beats.identity_dict(self.identity),
+            "sent_at": time.time(),
+            "seq": self._heartbeat_seq,
+            "step": progress.step,
+            "forwards": progress.forwards,
+            "phase": progress.phase,
+            "phase_since": progress.phase_since,
+            "last_progress_at": progress.last_progress_at,
+        }
+        if steps:
+            body["step_columns"] = wire.STEP_COLUMNS
+            body["step_rows"] = [_step_row(r) for r in steps]
+        if skipped:
+            body["steps_skipped"] = skipped
+        if marks:
+            body["marks"] = [{"step": m.step, "seqs": m.seqs} for m in marks]
+        if events:
+            body["events"] = [{"kind": e.kind, "at": e.at, "step": e.step, "details": e.details} for e in events]
+        if fingerprints:
+            names = beats.names if not full else None
+            body["fingerprints"] = [
+                {k: v for k, v in fp.items() if k != "names"} if names is not None and fp.get("names") is names
+                else fp for fp in fingerprints]
+        if full or enqueued != beats.enqueued:
+            body["collectives_enqueued"] = enqueued
+        if full or completed != beats.completed:
+            body["collectives_completed"] = completed
+        if host_memory and (full or host_memory != beats.host_memory):
+            body["host_memory"] = host_memory
+        return _Beat(body, steps, marks, events, fingerprints, enqueued, completed, host_memory, full)
 
     def _host_memory(self) -> dict[str, int]:
         from .memory import host_memory, rss_bytes
@@ -346,17 +448,41 @@ class Agent:
         if not final and not self.transport.available():
             return
         with self._send_lock:
-            heartbeat = self.make_heartbeat()
+            beat = self.make_heartbeat()
             try:
-                reply = self.transport.post("/v1/heartbeat", wire.dumps(heartbeat), timeout=2.0)
+                body = json.dumps(beat.body, separators=(",", ":"), default=str).encode()
+                reply = self.transport.post("/v1/heartbeat", body, timeout=2.0)
             except CollectorUnreachable:
-                self.progress.give_back(heartbeat.steps, heartbeat.marks)
+                self.progress.give_back(beat.steps, beat.marks)
                 with self._lock:
-                    self._unsent_events[:0] = heartbeat.events
-                    self._unsent_fingerprints[:0] = heartbeat.fingerprints
+                    self._unsent_events[:0] = beat.events
+                    self._unsent_fingerprints[:0] = beat.fingerprints
+                self._beat_state().failed = True
                 return
+            self._beat_state().acked(beat)
+        if self.transport.recovered:
+            # The collector is back: bundles spooled while it was away go now.
+            self.transport.recovered = False
+            threading.Thread(target=self._resend_spool, name="rankwatch-spool", daemon=True).start()
         if not final:
             self._handle_reply(reply)
+
+    def _resend_spool(self) -> None:
+        if not self.run_dir:
+            return
+        try:
+            spooled = sorted((Path(self.run_dir) / "spool").glob(f"*/rank-{self.identity.rank:05d}.tar.gz"))
+            for path in spooled:
+                headers = {"X-Rankwatch-Run": self.identity.run_id, "X-Rankwatch-Rank": str(self.identity.rank),
+                           "X-Rankwatch-Incident": path.parent.name}
+                self.transport.post("/v1/bundles", path.read_bytes(), content_type="application/gzip",
+                                    headers=headers, timeout=10.0)
+                path.unlink()
+                log(f"spooled bundle {path.parent.name} delivered")
+        except CollectorUnreachable:
+            pass  # still spooled: sent on the next recovery or by the launcher at the end
+        except OSError as exc:
+            log(f"spooled bundles not re-sent: {type(exc).__name__}: {exc}")
 
     def _handle_reply(self, raw: Any) -> None:
         try:
@@ -380,3 +506,46 @@ class Agent:
             bundle_mod.deliver(self, archive, command.incident)
         except Exception as exc:
             log(f"bundle for {command.incident} failed: {type(exc).__name__}: {exc}")
+
+
+# -- heartbeat encoding ---------------------------------------------------------------
+_step_row = operator.attrgetter(*wire.STEP_COLUMNS)
+
+
+class _Beat:
+    __slots__ = ("body", "steps", "marks", "events", "fingerprints", "enqueued", "completed", "host_memory",
+                 "full")
+
+    def __init__(self, body, steps, marks, events, fingerprints, enqueued, completed, host_memory, full):
+        self.body, self.steps, self.marks, self.events = body, steps, marks, events
+        self.fingerprints, self.enqueued, self.completed = fingerprints, enqueued, completed
+        self.host_memory, self.full = host_memory, full
+
+
+class _BeatState:
+    """What the collector has acknowledged (the base of the next delta)."""
+
+    def __init__(self) -> None:
+        self.enqueued: Optional[dict[str, int]] = None
+        self.completed: Optional[dict[str, int]] = None
+        self.host_memory: Optional[dict[str, int]] = None
+        self.names: Optional[list[str]] = None  # fingerprint parameter names the collector has
+        self.since_full = 1 << 30  # the first beat is a full one
+        self.failed = False
+        self._identity: Any = None
+        self._identity_dict: dict[str, Any] = {}
+
+    def identity_dict(self, identity: wire.RankIdentity) -> dict[str, Any]:
+        if identity is not self._identity:
+            self._identity, self._identity_dict = identity, wire.to_dict(identity)
+        return self._identity_dict
+
+    def acked(self, beat: _Beat) -> None:
+        self.enqueued, self.completed = beat.enqueued, beat.completed
+        if beat.host_memory:
+            self.host_memory = beat.host_memory
+        for fp in beat.fingerprints:
+            if isinstance(fp.get("names"), list):
+                self.names = fp["names"]
+        self.since_full = 0 if beat.full else self.since_full + 1
+        self.failed = False
