@@ -16,7 +16,7 @@ from rankwatch import __version__, wire
 from rankwatch.bundles import pack
 from rankwatch.redact import redact_env, redact_obj
 
-from .safety import log
+from .safety import log_once
 from .stacks import python_stacks
 from .transport import CollectorUnreachable
 
@@ -139,12 +139,23 @@ def deliver(agent: "Agent", archive: bytes, incident: str, timeout: float = 5.0)
             pass
     path = spool_path(agent.run_dir, incident, ident.rank)
     if path is None:
-        log("bundle could not be delivered: no collector and no run dir")
+        log_once("bundle.lost", "bundle could not be delivered: no collector and no run dir")
         return "lost"
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(archive)
-    tmp.replace(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(archive)
+        tmp.replace(path)
+    except OSError as exc:
+        # Disk full, read-only run dir: the evidence is lost, the job goes on.
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        log_once("bundle.spool", f"bundles cannot be kept in {path.parent.parent} ({type(exc).__name__}: {exc}); "
+                                 f"evidence that the collector does not receive is lost")
+        agent.record_event("evidence_lost", incident=incident, reason=f"{type(exc).__name__}: {exc}"[:300])
+        return "lost"
     return str(path)
 
 

@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 from .patching import Patches, argument, binding_error
 from .safety import guarded
+from .stacks import is_own_file
 
 _PY_API_COLLECTIVES = (
     "all_reduce",
@@ -52,8 +53,6 @@ _PY_API_COLLECTIVES = (
     "scatter_object_list",
 )
 
-# Frames in these folders are ours or torch's: the call site is the first frame outside.
-_AGENT_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def _fr_module():
@@ -150,13 +149,14 @@ class CollectiveTracker:
 
     @guarded("collectives.callsite")
     def _enter(self, op: str, tensor: Any) -> Optional[dict[str, Any]]:
+        # The call site is the first frame outside torch and rankwatch.
         frame = sys._getframe(1)
         site = None
         while frame is not None:
             filename = frame.f_code.co_filename
             if not (
                 (self._torch_dir and filename.startswith(self._torch_dir))
-                or filename.startswith(_AGENT_DIR)
+                or is_own_file(filename)
                 or filename.startswith("<frozen")
             ):
                 site = f"{filename}:{frame.f_lineno} in {frame.f_code.co_name}"

@@ -34,6 +34,8 @@ if TYPE_CHECKING:
     from .runtime import Agent
 
 MAX_NAMED = 8
+PROBE_ELEMENTS = 512  # per bucket and step, on steps the full check is sampled out
+PROBE_MIN, PROBE_MAX = 32, 8192
 
 # Module-wide patches (one DDP class, one GradScaler class for every agent).
 _PATCHES = Patches()
@@ -124,6 +126,12 @@ class GradChecker:
         self.stride = 1
         self._sampled = True
         self._spent = 0.0
+        self._norm_buckets: list[int] = []  # bucket index of each entry of _norms
+        # Every step: a sparse finiteness probe of each bucket, its size kept
+        # within the same budget (halved / doubled as the measured cost asks).
+        self.probe_elements = PROBE_ELEMENTS
+        self._probe_spent = 0.0
+        self._probe_round = 0
         ddp._rankwatch_grad_checker = self
         _patch_register_comm_hook()
         ddp.register_forward_pre_hook(self._register_default_before_first_forward)
@@ -176,6 +184,7 @@ class GradChecker:
         if bucket.is_last():
             self.agent.progress.on_backward_done(_now())
         if not self._sampled:
+            self._probe(bucket, index)
             return
         started = time.perf_counter()
         buffer = bucket.buffer()
@@ -195,9 +204,38 @@ class GradChecker:
             norm = torch.linalg.vector_norm(per_param)
             self._param_norms.append(([self.names.get(id(p), "?") for p in bucket.parameters()], per_param))
         self._norms.append(norm)
+        self._norm_buckets.append(index)
         if norm.device.type == "cpu" and not math.isfinite(float(norm)):
             self._name_nonfinite(bucket)
         self._spent += time.perf_counter() - started
+
+    def _probe(self, bucket, index: int) -> None:
+        """On a step the budget does not sample: a sparse read of the local
+        bucket (every `spacing`-th element, the offset moving every step).
+        A NaN from one sample's backward poisons whole weight-gradient
+        tensors, so a few hundred elements per bucket find it; a lone bad
+        element is found with probability ~ elements read / bucket size (see
+        bench/grad_check_cost.py). A non-finite probe escalates to the full
+        check of that bucket. CPU only: on a GPU the full check is
+        asynchronous and rarely sampled out."""
+        started = time.perf_counter()
+        buffer = bucket.buffer()
+        if buffer.device.type != "cpu" or not buffer.is_floating_point() or self.probe_elements <= 0:
+            return
+        n = buffer.numel()
+        if n == 0:
+            return
+        spacing = max(1, n // self.probe_elements)
+        offset = (self._probe_round * 7919 + index) % spacing
+        if math.isfinite(float(buffer[offset::spacing].sum())):
+            self._probe_spent += time.perf_counter() - started
+            return
+        norm = torch.linalg.vector_norm(buffer)
+        if not math.isfinite(float(norm)):  # not a mere overflow of the probe's sum
+            self._norms.append(norm)
+            self._norm_buckets.append(index)
+            self._name_nonfinite(bucket)
+        self._probe_spent += time.perf_counter() - started
 
     def _loss_is_unusual(self) -> bool:
         """A non-finite loss, or one far above its recent values, forces the
@@ -228,6 +266,7 @@ class GradChecker:
 
     def _previous_step_skipped(self) -> None:
         norms, self._norms = self._norms, []
+        self._norm_buckets = []
         named, self._nonfinite_params = self._nonfinite_params, []
         self._param_norms = []
         values = [float(n) for n in norms if n.device.type == "cpu"]
@@ -248,12 +287,27 @@ class GradChecker:
         elif wanted < self.stride and record.step % 16 == 0:
             self.stride = max(1, self.stride // 2)
 
+    def _adapt_probe(self, record: StepRecord) -> None:
+        spent, self._probe_spent = self._probe_spent, 0.0
+        self._probe_round += 1
+        duration = record.ended_at - record.started_at
+        if spent <= 0 or duration <= 0 or self.budget <= 0:
+            return
+        share = spent / (self.budget * duration)  # the probe may use half the budget
+        if share > 0.5:
+            self.probe_elements = max(PROBE_MIN, self.probe_elements // 2)
+        elif share < 0.1 and record.step % 16 == 0:
+            self.probe_elements = min(PROBE_MAX, self.probe_elements * 2)
+
     @guarded("grad_checks.step")
     def _on_step_end(self, record: StepRecord) -> None:
         self.reader.poll()
         if self._sampled:
             self._adapt(record)
+        else:
+            self._adapt_probe(record)
         record.grad_check_stride = self.stride
+        buckets, self._norm_buckets = self._norm_buckets, []
         norms, self._norms = self._norms, []
         named, self._nonfinite_params = self._nonfinite_params, []
         named.sort(key=lambda n: self.order.get(n, 1 << 30))  # model order, not bucket order
@@ -261,7 +315,7 @@ class GradChecker:
             return
         if norms[0].device.type == "cpu":
             values = [float(n) for n in norms]
-            self._fill(record, values, named)
+            self._fill(record, values, named, buckets, sampled=self._sampled)
             return
         # CUDA: the record goes out now; the values follow as an event a step later.
         step = record.step
@@ -292,16 +346,19 @@ class GradChecker:
 
         self.reader.submit(tensors, consume)
 
-    def _fill(self, record: StepRecord, values: list[float], named: list[str]) -> None:
+    def _fill(self, record: StepRecord, values: list[float], named: list[str], buckets: list[int],
+              sampled: bool = True) -> None:
         bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
-        record.grad_norm = math.sqrt(sum(v * v for v in values)) if not bad else math.nan
+        # A probe's escalation measures only the bad bucket: no norm for the step then.
+        record.grad_norm = (math.sqrt(sum(v * v for v in values)) if sampled else None) if not bad else math.nan
         record.nonfinite_grads = len(bad)
         if bad or (record.loss is not None and not math.isfinite(record.loss)):
             self.agent.record_event(
                 "nonfinite",
                 source="local_gradients" if bad else "loss",
                 parameters=named[:MAX_NAMED],
-                buckets=bad,
+                buckets=[buckets[i] if i < len(buckets) else i for i in bad],
+                found_by="full_check" if sampled else "probe",
                 loss=record.loss,
                 scaler=self.scaler_in_use,
             )

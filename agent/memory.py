@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from rankwatch.wire import StepRecord
 
-from .safety import guarded, log
+from .safety import guarded, log, log_once
 
 if TYPE_CHECKING:
     from .runtime import Agent
@@ -123,8 +123,12 @@ def snapshot_members(run_dir: Optional[str], rank: int) -> dict[str, Any]:
     members["memory_summary.txt"] = torch.cuda.memory_summary()
     if run_dir:
         path = Path(run_dir) / "memory" / f"rank-{rank:05d}-{int(time.time())}.pickle"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.cuda.memory._dump_snapshot(str(path))
-        if path.stat().st_size < 32 * 1024 * 1024:
-            members["memory_snapshot.pickle"] = path.read_bytes()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.cuda.memory._dump_snapshot(str(path))
+            if path.stat().st_size < 32 * 1024 * 1024:
+                members["memory_snapshot.pickle"] = path.read_bytes()
+        except OSError as exc:  # disk full / read-only: the JSON summary still goes out
+            log_once("memory.pickle", f"memory snapshot pickle not written to {path.parent} "
+                                      f"({type(exc).__name__}: {exc})")
     return members

@@ -29,7 +29,7 @@ from . import bundle as bundle_mod
 from .collectives import CollectiveTracker
 from .patching import Patches
 from .progress import Progress, _thin
-from .safety import guarded, log
+from .safety import guarded, log, log_once
 from .stacks import format_exception
 from .transport import CollectorUnreachable, Transport
 
@@ -59,6 +59,17 @@ def identity_from_env(env=os.environ) -> wire.RankIdentity:
         pid=os.getpid(),
         attempt=as_int("TORCHELASTIC_RESTART_COUNT", 0),
     )
+
+
+def _open_with_header(path: Path, header: str):
+    handle = open(path, "w")
+    try:
+        handle.write(header)
+        handle.flush()  # ENOSPC shows here, not when a fatal signal comes
+    except OSError:
+        handle.close()
+        raise
+    return handle
 
 
 def collector_url_from_env(config: config_mod.Config, env=os.environ) -> Optional[str]:
@@ -138,17 +149,20 @@ class Agent:
         from rankwatch.faulttext import MAIN_MARK
 
         folder = Path(self.run_dir) / "stacks"
-        folder.mkdir(parents=True, exist_ok=True)
         stem = f"rank-{self.identity.rank:05d}"
         header = f"{MAIN_MARK} {threading.main_thread().ident:#x}\n"
-        self._faulthandler_file = open(folder / f"{stem}.faulthandler.txt", "w")
-        self._faulthandler_file.write(header)
-        self._faulthandler_file.flush()
-        faulthandler.register(FAULTHANDLER_SIGNAL, file=self._faulthandler_file, all_threads=True, chain=False)
-        if not os.environ.get("PYTHONFAULTHANDLER"):
-            self._fatal_file = open(folder / f"{stem}.fatal.txt", "w")
-            self._fatal_file.write(header)
-            self._fatal_file.flush()
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            self._faulthandler_file = _open_with_header(folder / f"{stem}.faulthandler.txt", header)
+            if not os.environ.get("PYTHONFAULTHANDLER"):
+                self._fatal_file = _open_with_header(folder / f"{stem}.fatal.txt", header)
+        except OSError as exc:
+            # Disk full or read-only run dir: no stacks from outside, the job goes on.
+            log_once("faulthandler", f"stack files cannot be written in {folder} ({type(exc).__name__}: {exc}); "
+                                     f"a frozen or crashed rank's Python stack will not be captured from outside")
+        if self._faulthandler_file is not None:
+            faulthandler.register(FAULTHANDLER_SIGNAL, file=self._faulthandler_file, all_threads=True, chain=False)
+        if self._fatal_file is not None:
             faulthandler.enable(file=self._fatal_file, all_threads=True)
 
     def _install_torch_hooks(self) -> None:

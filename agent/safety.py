@@ -23,6 +23,18 @@ def log(message: str) -> None:
         pass
 
 
+_said: set[str] = set()
+
+
+def log_once(key: str, message: str) -> None:
+    """Say a degradation once per process (a full disk must not flood the job's log)."""
+    with _lock:
+        if key in _said:
+            return
+        _said.add(key)
+    log(message)
+
+
 def disable(part: str, exc: BaseException) -> None:
     with _lock:
         if part in _disabled:
