@@ -1,27 +1,45 @@
-"""HTTP front of the collector (standard library only).
+"""HTTP front of the collector.
 
-    POST /v1/heartbeat           agent heartbeat           -> Reply (commands)
-    POST /v1/nodes               node supervisor report    -> Reply (commands)
-    POST /v1/bundles             gzip'd tar bundle         -> {"stored": path}
-    POST /v1/runs/<id>/finish    launcher is done          -> report
+    POST /v1/heartbeat           agent heartbeat                 -> Reply (commands)
+    POST /v1/nodes               node supervisor report          -> Reply (commands)
+    POST /v1/node-report         a node relay's batch            -> NodeReply (node's and ranks' commands)
+    POST /v1/bundles             gzip'd tar bundle               -> {"stored": path}
+    POST /v1/runs/<id>/finish    launcher is done                -> report
     GET  /v1/runs/<id>/report    current report
     GET  /v1/status              runs, incidents, verdicts
     GET  /metrics                Prometheus exposition (when enabled)
-    GET  /healthz
+    GET  /healthz                health probe (never needs the token)
 
-Every request body is untrusted: its size is bounded before it is read, JSON is
-validated field by field, bundles are never unpickled.
+Two servers share one set of routes (`Routes`):
+
+- `CollectorServer`: the standard library's threading server. The embedded
+  collector of `rankwatch run` (a handful of local, kept-alive connections)
+  and tests.
+- `AsyncCollectorServer`: aiohttp on one event loop, for the standalone
+  service: 12,500 nodes keep 12,500 connections open, which a thread per
+  connection cannot hold.
+
+Every request is untrusted: with a token, every endpoint but /healthz (and
+/metrics when opened by flag) requires ``Authorization: Bearer <token>``
+(constant-time compare), checked before the body is read; the body's size is
+bounded before it is read; a request must arrive whole within
+REQUEST_TIMEOUT (headers trickled byte by byte are cut off); connections
+beyond MAX_CONNECTIONS are refused; JSON is validated field by field.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import io
 import json
 import logging
 import re
+import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from rankwatch import wire
 
@@ -31,21 +49,190 @@ log = logging.getLogger("rankwatch.collector")
 
 _RUN_PATH = re.compile(r"^/v1/runs/([A-Za-z0-9_.-]{1,128})/(report|finish)$")
 
+REQUEST_TIMEOUT = 10.0  # seconds for a whole request (line, headers, body) once it started
+IDLE_TIMEOUT = 120.0  # a kept-alive connection with no request
+MAX_CONNECTIONS = 20_000  # standalone; the embedded server takes fewer (see CollectorServer)
+MAX_NODE_REPORT_BYTES = 16 * 1024 * 1024  # 8+ ranks' beats in one request
+
+Response = tuple[int, bytes, str, dict[str, str]]
+
+
+def _json(status: int, payload: Any, headers: Optional[dict[str, str]] = None) -> Response:
+    body = payload if isinstance(payload, bytes) else wire.json_text(payload, compact=True).encode() \
+        if hasattr(wire, "json_text") else json.dumps(payload, default=str).encode()
+    return status, body, "application/json", headers or {}
+
+
+class Routes:
+    """The collector's endpoints, independent of the HTTP server."""
+
+    def __init__(self, collector: Collector, token: Optional[str] = None,
+                 metrics_handler: Optional[Callable[[], tuple[bytes, str]]] = None, metrics_open: bool = False):
+        self.collector = collector
+        self.token = token or None
+        self.metrics_handler = metrics_handler
+        self.metrics_open = metrics_open
+        self._expected = f"Bearer {self.token}".encode() if self.token else b""
+
+    # -- checks before the body is read ----------------------------------------------
+    def needs_token(self, method: str, path: str) -> bool:
+        if not self.token:
+            return False
+        if method == "GET" and (path == "/healthz" or (path == "/metrics" and self.metrics_open)):
+            return False
+        return True
+
+    def authorised(self, header: Optional[str]) -> bool:
+        given = (header or "").encode("utf-8", "replace")
+        return hmac.compare_digest(given, self._expected)
+
+    @staticmethod
+    def body_limit(path: str) -> int:
+        if path == "/v1/bundles":
+            return wire.MAX_BUNDLE_BYTES
+        if path == "/v1/node-report":
+            return MAX_NODE_REPORT_BYTES
+        return wire.MAX_MESSAGE_BYTES
+
+    def precheck(self, method: str, path: str, authorization: Optional[str],
+                 length: Optional[str]) -> Optional[Response]:
+        """An answer before the body is read (auth, size), or None to go on."""
+        if self.needs_token(method, path) and not self.authorised(authorization):
+            return _json(401, {"error": "missing or wrong bearer token"}, {"WWW-Authenticate": "Bearer"})
+        if method == "POST":
+            if length is None:
+                return _json(411, {"error": "Content-Length required"})
+            try:
+                size = int(length)
+            except ValueError:
+                return _json(400, {"error": "bad Content-Length"})
+            limit = self.body_limit(path)
+            if size < 0 or size > limit:
+                return _json(413, {"error": f"body of {size} bytes exceeds the {limit}-byte limit"})
+        return None
+
+    # -- the endpoints ------------------------------------------------------------------
+    def handle(self, method: str, path: str, body: bytes, header: Callable[[str], Optional[str]]) -> Response:
+        try:
+            if method == "GET":
+                return self._get(path)
+            if method == "POST":
+                return self._post(path, body, header)
+            return _json(405, {"error": f"method {method} not allowed"})
+        except RequestError as exc:
+            return _json(exc.status, {"error": str(exc)})
+        except wire.WireError as exc:
+            return _json(400, {"error": str(exc)})
+        except Exception as exc:
+            log.exception("request %s %s failed", method, path)
+            return _json(500, {"error": f"internal error: {type(exc).__name__}"})
+
+    def _get(self, path: str) -> Response:
+        collector = self.collector
+        if path == "/healthz":
+            return _json(200, {"ok": True})
+        if path == "/v1/status":
+            return _json(200, collector.status())
+        if path == "/metrics" and self.metrics_handler is not None:
+            body, content_type = self.metrics_handler()
+            return 200, body, content_type, {}
+        match = _RUN_PATH.match(path)
+        if match and match.group(2) == "report":
+            return _json(200, wire.to_dict(collector.report(match.group(1))))
+        return _json(404, {"error": f"no route {path}"})
+
+    def _post(self, path: str, body: bytes, header: Callable[[str], Optional[str]]) -> Response:
+        collector = self.collector
+        if path == "/v1/heartbeat":
+            hb = wire.loads(wire.Heartbeat, body)
+            return _json(200, wire.to_dict(collector.ingest_heartbeat(hb)))
+        if path == "/v1/node-report":
+            report = wire.loads(wire.NodeReport, body, limit=MAX_NODE_REPORT_BYTES)
+            return _json(200, wire.to_dict(collector.ingest_node_report(report)))
+        if path == "/v1/nodes":
+            node = wire.loads(wire.NodeHeartbeat, body)
+            return _json(200, wire.to_dict(collector.ingest_node(node)))
+        if path == "/v1/bundles":
+            run_hint = header("X-Rankwatch-Run") or ""
+            rank_hint = header("X-Rankwatch-Rank") or ""
+            return _json(200, collector.ingest_bundle(body, run_hint=run_hint, rank_hint=rank_hint))
+        match = _RUN_PATH.match(path)
+        if match and match.group(2) == "finish":
+            request = wire.loads(wire.FinishRequest, body)
+            exits = {int(r): (e.exit_code, e.exited_at) for r, e in request.exits.items()}
+            report = collector.finish(match.group(1), interrupted=request.interrupted, exits=exits)
+            return _json(200, wire.to_dict(report))
+        return _json(404, {"error": f"no route {path}"})
+
+
+# ----------------------------------------------------------------------------------------
+# The standard library's server (embedded collector, tests)
+# ----------------------------------------------------------------------------------------
+
+
+class _DeadlineReader(io.RawIOBase):
+    """The socket, read with one deadline for a whole request: a client that
+    trickles its headers byte by byte is cut off when the deadline passes,
+    however often it sends a byte."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.deadline: Optional[float] = None
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        if self.deadline is not None:
+            remaining = self.deadline - time.monotonic()
+            if remaining <= 0:
+                raise socket.timeout("request not received in time")
+            self.sock.settimeout(remaining)
+        return self.sock.recv_into(buffer)
+
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
     request_queue_size = 256
+    max_connections = 256
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._active = 0
+        self._active_lock = threading.Lock()
+
+    def process_request(self, request, client_address):
+        with self._active_lock:
+            full = self._active >= self.max_connections
+            if not full:
+                self._active += 1
+        if full:
+            try:
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self._active_lock:
+                self._active -= 1
 
 
 class CollectorServer:
     def __init__(self, collector: Collector, host: str = "127.0.0.1", port: int = 0,
-                 token: Optional[str] = None, metrics_handler=None):
+                 token: Optional[str] = None, metrics_handler=None, metrics_open: bool = False,
+                 max_connections: int = 256, routes: Optional[Any] = None):
         self.collector = collector
         self.token = token
-        self.metrics_handler = metrics_handler
-        handler = _make_handler(self)
-        self.httpd = _Server((host, port), handler)
+        self.routes = routes or Routes(collector, token, metrics_handler, metrics_open)
+        self.httpd = _Server((host, port), _make_handler(self.routes))
+        self.httpd.max_connections = max_connections
         self._thread: Optional[threading.Thread] = None
 
     @property
@@ -64,105 +251,246 @@ class CollectorServer:
         self.httpd.server_close()
 
 
-def _make_handler(server: CollectorServer):
-    collector = server.collector
-
+def _make_handler(routes: Routes):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         server_version = "rankwatch-collector"
 
-        def log_message(self, fmt: str, *args: Any) -> None:  # quiet; errors are logged below
+        def setup(self) -> None:
+            super().setup()
+            self._reader = _DeadlineReader(self.connection)
+            self.rfile = io.BufferedReader(self._reader, 65536)
+
+        def handle_one_request(self) -> None:
+            # Idle between requests of a kept-alive connection, then the whole
+            # request within REQUEST_TIMEOUT.
+            self._reader.deadline = time.monotonic() + IDLE_TIMEOUT
+            try:
+                if not self.rfile.peek(1):
+                    self.close_connection = True
+                    return
+            except (socket.timeout, OSError):
+                self.close_connection = True
+                return
+            self._reader.deadline = time.monotonic() + REQUEST_TIMEOUT
+            try:
+                super().handle_one_request()
+            except socket.timeout:
+                self.close_connection = True
+
+        def log_message(self, fmt: str, *args: Any) -> None:  # quiet; errors are logged by the routes
             log.debug("%s " + fmt, self.address_string(), *args)
 
-        # -- helpers ----------------------------------------------------------
-        def _send(self, status: int, payload: Any, content_type: str = "application/json") -> None:
-            body = payload if isinstance(payload, bytes) else json.dumps(payload, default=str).encode()
+        def _send(self, response: Response) -> None:
+            status, body, content_type, headers = response
             self.send_response(status)
             self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))
+            for key, value in headers.items():
+                self.send_header(key, value)
+            if status in (401, 411, 413):  # the body was not read: the connection cannot be reused
+                self.send_header("Connection", "close")
+                self.close_connection = True
             self.end_headers()
             self.wfile.write(body)
 
-        def _body(self, limit: int) -> bytes:
-            length = self.headers.get("Content-Length")
-            if length is None:
-                raise RequestError("Content-Length required", 411)
+        def _serve(self, method: str) -> None:
+            path = self.path.split("?", 1)[0]
             try:
-                size = int(length)
-            except ValueError:
-                raise RequestError("bad Content-Length") from None
-            if size < 0 or size > limit:
-                raise RequestError(f"body of {size} bytes exceeds the {limit}-byte limit", 413)
-            data = self.rfile.read(size)
-            if len(data) != size:
-                raise RequestError("truncated body")
-            return data
+                early = routes.precheck(method, path, self.headers.get("Authorization"),
+                                        self.headers.get("Content-Length"))
+                if early is not None:
+                    self._send(early)
+                    return
+                body = b""
+                if method == "POST":
+                    size = int(self.headers["Content-Length"])
+                    body = self.rfile.read(size)
+                    if len(body) != size:
+                        self._send(_json(400, {"error": "truncated body"}))
+                        self.close_connection = True
+                        return
+                self._send(routes.handle(method, path, body, self.headers.get))
+            except (BrokenPipeError, ConnectionResetError, socket.timeout):
+                self.close_connection = True  # the client went away or was too slow
 
-        def _authorised(self) -> bool:
-            if not server.token:
-                return True
-            given = self.headers.get("Authorization", "")
-            return hmac.compare_digest(given, f"Bearer {server.token}")
-
-        def _guard(self, fn) -> None:
-            try:
-                fn()
-            except (BrokenPipeError, ConnectionResetError):
-                pass  # the client went away (a rank that died mid-request)
-            except RequestError as exc:
-                self._send(exc.status, {"error": str(exc)})
-            except wire.WireError as exc:
-                self._send(400, {"error": str(exc)})
-            except Exception as exc:
-                log.exception("request %s failed", self.path)
-                self._send(500, {"error": f"internal error: {type(exc).__name__}"})
-
-        # -- routes ---------------------------------------------------------------
         def do_GET(self) -> None:
-            self._guard(self._get)
+            self._serve("GET")
 
         def do_POST(self) -> None:
-            if not self._authorised():
-                self._send(401, {"error": "missing or wrong bearer token"})
-                return
-            self._guard(self._post)
-
-        def _get(self) -> None:
-            path = self.path.split("?", 1)[0]
-            if path == "/healthz":
-                self._send(200, {"ok": True})
-            elif path == "/v1/status":
-                self._send(200, collector.status())
-            elif path == "/metrics" and server.metrics_handler is not None:
-                body, content_type = server.metrics_handler()
-                self._send(200, body, content_type)
-            else:
-                match = _RUN_PATH.match(path)
-                if match and match.group(2) == "report":
-                    self._send(200, wire.to_dict(collector.report(match.group(1))))
-                else:
-                    self._send(404, {"error": f"no route {path}"})
-
-        def _post(self) -> None:
-            path = self.path.split("?", 1)[0]
-            if path == "/v1/heartbeat":
-                hb = wire.loads(wire.Heartbeat, self._body(wire.MAX_MESSAGE_BYTES))
-                self._send(200, wire.to_dict(collector.ingest_heartbeat(hb)))
-            elif path == "/v1/nodes":
-                node = wire.loads(wire.NodeHeartbeat, self._body(wire.MAX_MESSAGE_BYTES))
-                self._send(200, wire.to_dict(collector.ingest_node(node)))
-            elif path == "/v1/bundles":
-                data = self._body(wire.MAX_BUNDLE_BYTES)
-                run_hint = self.headers.get("X-Rankwatch-Run", "")
-                self._send(200, collector.ingest_bundle(data, run_hint=run_hint))
-            else:
-                match = _RUN_PATH.match(path)
-                if match and match.group(2) == "finish":
-                    request = wire.loads(wire.FinishRequest, self._body(wire.MAX_MESSAGE_BYTES))
-                    exits = {int(r): (e.exit_code, e.exited_at) for r, e in request.exits.items()}
-                    report = collector.finish(match.group(1), interrupted=request.interrupted, exits=exits)
-                    self._send(200, wire.to_dict(report))
-                else:
-                    self._send(404, {"error": f"no route {path}"})
+            self._serve("POST")
 
     return Handler
+
+
+# ----------------------------------------------------------------------------------------
+# aiohttp (the standalone service)
+# ----------------------------------------------------------------------------------------
+
+
+class AsyncCollectorServer:
+    """The standalone collector's server: aiohttp, one event loop in its own
+    thread. Heartbeats and node reports are ingested on the loop (short, CPU
+    only); bundles, finish, reports and /metrics run in a worker thread."""
+
+    def __init__(self, collector: Collector, host: str = "127.0.0.1", port: int = 0,
+                 token: Optional[str] = None, metrics_handler=None, metrics_open: bool = False,
+                 max_connections: int = MAX_CONNECTIONS, request_timeout: float = REQUEST_TIMEOUT):
+        self.collector = collector
+        self.token = token
+        self.routes = Routes(collector, token, metrics_handler, metrics_open)
+        self.host, self.port = host, port
+        self.max_connections = max_connections
+        self.request_timeout = request_timeout
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._thread: Optional[threading.Thread] = None
+        self._ready = threading.Event()
+        self._error: Optional[BaseException] = None
+        self._runner = None
+        self._protocols: set = set()
+        self.refused = 0  # connections over the cap
+        self.cut_off = 0  # requests that did not arrive in time
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> "AsyncCollectorServer":
+        self._thread = threading.Thread(target=self._run, name="rankwatch-http", daemon=True)
+        self._thread.start()
+        self._ready.wait(30)
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def stop(self) -> None:
+        loop = self._loop
+        if loop is None:
+            return
+        future = asyncio.run_coroutine_threadsafe(self._shutdown(), loop)
+        try:
+            future.result(timeout=10)
+        except Exception:
+            pass
+        loop.call_soon_threadsafe(loop.stop)
+        if self._thread:
+            self._thread.join(timeout=10)
+
+    # -- the loop -------------------------------------------------------------------------
+    def _run(self) -> None:
+        loop = self._loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(self._startup())
+        except BaseException as exc:
+            self._error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            loop.run_forever()
+        finally:
+            loop.close()
+
+    async def _startup(self) -> None:
+        from aiohttp import web
+        from aiohttp.web_protocol import RequestHandler
+
+        server = self
+        loop = asyncio.get_running_loop()
+
+        class Protocol(RequestHandler):
+            """aiohttp's connection, plus the cap on connections and the
+            deadline of a request that has begun to arrive."""
+
+            started: Optional[float] = None
+
+            def connection_made(self, transport) -> None:
+                super().connection_made(transport)
+                if len(server._protocols) >= server.max_connections:
+                    server.refused += 1
+                    transport.close()
+                    return
+                server._protocols.add(self)
+
+            def connection_lost(self, exc) -> None:
+                server._protocols.discard(self)
+                super().connection_lost(exc)
+
+            def data_received(self, data: bytes) -> None:
+                if self.started is None:
+                    self.started = loop.time()
+                super().data_received(data)
+
+        class Server(web.Server):
+            def __call__(self):
+                return Protocol(self, loop=loop, **self._kwargs)
+
+            def _make_request(self, message, payload, protocol, writer, task):
+                # Bodies are bounded by the routes (Content-Length, before reading).
+                return web.BaseRequest(message, payload, protocol, writer, task, loop,
+                                       client_max_size=wire.MAX_BUNDLE_BYTES)
+
+        async def handler(request: "web.BaseRequest") -> "web.StreamResponse":
+            protocol = request.protocol
+            method, path = request.method, request.path
+            early = server.routes.precheck(method, path, request.headers.get("Authorization"),
+                                           request.headers.get("Content-Length"))
+            if early is not None:
+                response = _aio_response(web, early)
+                response.force_close()
+                return response
+            body = b""
+            if method == "POST":
+                try:
+                    body = await asyncio.wait_for(request.read(), max(0.1, server._remaining(protocol)))
+                except asyncio.TimeoutError:
+                    server.cut_off += 1
+                    response = _aio_response(web, _json(408, {"error": "request body not received in time"}))
+                    response.force_close()
+                    return response
+            if isinstance(protocol, Protocol):
+                protocol.started = None  # the request is in: the next one gets its own deadline
+            headers = request.headers
+            if path in ("/v1/heartbeat", "/v1/node-report", "/v1/nodes"):
+                result = server.routes.handle(method, path, body, headers.get)
+            else:  # bundles, finish, reports, status, metrics: off the loop
+                result = await loop.run_in_executor(None, server.routes.handle, method, path, body, headers.get)
+            return _aio_response(web, result)
+
+        self._web_server = Server(handler, loop=loop, keepalive_timeout=IDLE_TIMEOUT, access_log=None, max_line_size=8190, max_field_size=8190,
+                                  max_headers=64)
+        self._site_server = await loop.create_server(self._web_server, self.host, self.port, backlog=4096,
+                                                     reuse_address=True)
+        self.port = self._site_server.sockets[0].getsockname()[1]
+        self._sweeper = loop.create_task(self._sweep())
+
+    def _remaining(self, protocol) -> float:
+        started = getattr(protocol, "started", None)
+        if started is None:
+            return self.request_timeout
+        return started + self.request_timeout - self._loop.time()
+
+    async def _sweep(self) -> None:
+        """Cut off connections whose request began arriving too long ago."""
+        while True:
+            await asyncio.sleep(1.0)
+            now = self._loop.time()
+            for protocol in list(self._protocols):
+                started = protocol.started
+                if started is not None and now - started > self.request_timeout and protocol.transport is not None:
+                    self.cut_off += 1
+                    protocol.transport.close()
+
+    async def _shutdown(self) -> None:
+        self._sweeper.cancel()
+        self._site_server.close()
+        for protocol in list(self._protocols):
+            if protocol.transport is not None:
+                protocol.transport.close()
+        await self._web_server.shutdown(2.0)
+
+
+def _aio_response(web, result: Response):
+    status, body, content_type, headers = result
+    return web.Response(status=status, body=body, headers={**headers, "Content-Type": content_type})

@@ -1,21 +1,44 @@
 """The collector's index: SQLite, one file per collector.
 
-Holds what the analyses need to be re-run offline (ranks, steps, collective
-marks, events, exits, incidents) and an index of the bundle archives, which
-stay as files next to it. Writes are batched and committed once per tick.
+Holds what the analyses need to be re-run offline and after a restart (runs,
+ranks, steps, collective marks, events, fingerprints, incidents, verdicts) and
+an index of the bundle archives, which stay as files next to it.
+
+Writes are off the request path: ingest hands the store references (a rank's
+state, the step records a beat brought) and returns; one writer thread turns
+them into rows once a second, in one transaction (SQLite in WAL mode). A
+rank's row is written once per flush however many beats arrived; step
+records, marks and fingerprints go as one row per rank and flush (compact
+rows, not one row per step), and rows older than the step window are pruned.
+
+A full disk or a read-only data dir never stops the collector: the store
+says so once, keeps serving from memory, and `degraded` tells the report.
+`Store(path, readonly=True)` opens an index for reading only (`rankwatch
+analyze`): no schema change, no write, nothing created.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import operator
 import sqlite3
 import threading
+import time
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
+from urllib.parse import quote
 
 from rankwatch import wire
 
 from .state import Incident, RankState, RunState
+
+log = logging.getLogger("rankwatch.collector")
+
+FLUSH_INTERVAL = 1.0
+PRUNE_INTERVAL = 60.0
+RETAINED_STEPS = 2048  # step records kept in the index per rank (memory keeps fewer)
+MAX_PENDING_PER_RANK = RETAINED_STEPS  # records waiting for the writer, per rank and kind
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
@@ -36,6 +59,8 @@ CREATE TABLE IF NOT EXISTS events (
     run_id TEXT, rank INTEGER, kind TEXT, at REAL, step INTEGER, details TEXT);
 CREATE TABLE IF NOT EXISTS fingerprints (
     run_id TEXT, rank INTEGER, step INTEGER, data TEXT);
+CREATE TABLE IF NOT EXISTS batches (
+    run_id TEXT, rank INTEGER, kind TEXT, first_step INTEGER, last_step INTEGER, data TEXT);
 CREATE TABLE IF NOT EXISTS incidents (
     run_id TEXT, id TEXT, kind TEXT, opened_at REAL, last_progress_at REAL, timeout REAL,
     details TEXT, PRIMARY KEY (run_id, id));
@@ -47,50 +72,204 @@ CREATE TABLE IF NOT EXISTS verdicts (
     PRIMARY KEY (run_id, kind, ranks));
 CREATE INDEX IF NOT EXISTS bundles_by_run ON bundles (run_id, incident);
 CREATE INDEX IF NOT EXISTS events_by_run ON events (run_id, rank);
+CREATE INDEX IF NOT EXISTS batches_by_run ON batches (run_id, kind, last_step);
 """
+
+_step_row = operator.attrgetter(*wire.STEP_COLUMNS)
+
+
+def _dumps(value: Any) -> str:
+    # NaN stays NaN (a NaN loss is the signal): the index is read back by Python's json.
+    return json.dumps(value, separators=(",", ":"), default=str)
+
+
+class _Pending:
+    __slots__ = ("steps", "marks", "fingerprints")
+
+    def __init__(self) -> None:
+        self.steps: list[wire.StepRecord] = []
+        self.marks: list[wire.CollectiveMark] = []
+        self.fingerprints: list[dict[str, Any]] = []
 
 
 class Store:
-    def __init__(self, path: Optional[Path]):
+    def __init__(self, path: Optional[Path], readonly: bool = False, flush_interval: float = FLUSH_INTERVAL):
         self.path = path
-        target = str(path) if path else ":memory:"
-        if path:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(target, check_same_thread=False, isolation_level=None)
-        self._lock = threading.RLock()
-        with self._lock:
-            self._db.execute("PRAGMA journal_mode=WAL" if path else "PRAGMA journal_mode=MEMORY")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.executescript(SCHEMA)
-            self._db.execute("INSERT OR REPLACE INTO meta VALUES ('schema', 'rankwatch.index/v1')")
-            self._db.execute("BEGIN")
+        self.readonly = readonly
+        self.degraded: Optional[str] = None  # why the index is not being written (said once)
+        self._lock = threading.RLock()  # the connection
+        self._pending_lock = threading.Lock()  # the queues below
+        self._sql: list[tuple[str, tuple]] = []
+        self._ranks: dict[tuple[str, int], RankState] = {}
+        self._batches: dict[tuple[str, int], _Pending] = {}
+        self._max_step: dict[str, int] = {}
+        self._flush_interval = flush_interval
+        self._wake = threading.Event()
+        self._flushed = threading.Condition()
+        self._generation = 0  # flushes done
+        self._started = 0  # flushes begun (each takes what is queued when it begins)
+        self._stop = False
+        self._thread: Optional[threading.Thread] = None
+        self._pruned_at = time.monotonic()
+        self._db = self._open(path, readonly)
 
-    def _end_transaction(self) -> None:
+    # -- opening -----------------------------------------------------------------
+    def _open(self, path: Optional[Path], readonly: bool) -> sqlite3.Connection:
+        if readonly:
+            if path is None:
+                raise ValueError("a read-only store needs a path")
+            try:
+                db = sqlite3.connect(f"file:{quote(str(path))}?mode=ro", uri=True, check_same_thread=False)
+                db.execute("SELECT count(*) FROM sqlite_master").fetchone()
+                return db
+            except sqlite3.Error:
+                # A read-only directory cannot hold WAL's shared-memory file:
+                # read the file as it is, without its uncheckpointed tail.
+                return sqlite3.connect(f"file:{quote(str(path))}?immutable=1", uri=True, check_same_thread=False)
         try:
-            self._db.execute("COMMIT")
-        except sqlite3.OperationalError:
-            pass  # nothing was open
+            if path:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            db = sqlite3.connect(str(path) if path else ":memory:", check_same_thread=False, isolation_level=None)
+            db.execute("PRAGMA journal_mode=WAL" if path else "PRAGMA journal_mode=MEMORY")
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.executescript(SCHEMA)
+            db.execute("INSERT OR REPLACE INTO meta VALUES ('schema', 'rankwatch.index/v1')")
+            return db
+        except (sqlite3.Error, OSError) as exc:
+            self._degrade(f"cannot write the index {path}: {exc}")
+            db = sqlite3.connect(":memory:", check_same_thread=False, isolation_level=None)
+            db.executescript(SCHEMA)
+            return db
+
+    def _degrade(self, why: str) -> None:
+        if self.degraded is None:
+            self.degraded = why
+            log.warning("%s; the collector keeps working from memory (the index of this run is incomplete)", why)
+
+    # -- writer thread -------------------------------------------------------------
+    def _ensure_writer(self) -> None:
+        if self._thread is None and not self.readonly:
+            self._thread = threading.Thread(target=self._writer, name="rankwatch-store", daemon=True)
+            self._thread.start()
+
+    def _writer(self) -> None:
+        while True:
+            self._wake.wait(self._flush_interval)
+            self._wake.clear()
+            stopping = self._stop
+            try:
+                self._flush_once()
+            except Exception:  # the writer must survive anything
+                log.exception("index writer failed")
+            with self._flushed:
+                self._generation += 1
+                self._flushed.notify_all()
+            if stopping:
+                return
+
+    def _flush_once(self) -> None:
+        with self._pending_lock:
+            self._started += 1
+            sql, self._sql = self._sql, []
+            ranks, self._ranks = self._ranks, {}
+            batches, self._batches = self._batches, {}
+        if self.degraded:
+            return  # said once; what is in memory stays the truth
+        rank_rows = []
+        for (run_id, _), s in ranks.items():
+            try:
+                rank_rows.append((run_id, s.rank, s.local_rank, s.node_rank, s.host, s.pid, s.step, s.forwards,
+                                  s.phase, s.last_progress_at, s.exit_code, s.exited_at, int(s.killed_by_rankwatch),
+                                  _dumps(dict(s.enqueued)), _dumps(dict(s.completed))))
+            except RuntimeError:  # a dict changed while it was copied: next flush
+                with self._pending_lock:
+                    self._ranks.setdefault((run_id, s.rank), s)
+        batch_rows = []
+        for (run_id, rank), pending in batches.items():
+            if pending.steps:
+                steps = pending.steps
+                batch_rows.append((run_id, rank, "steps", steps[0].step, steps[-1].step,
+                                   _dumps({"columns": wire.STEP_COLUMNS, "rows": [_step_row(r) for r in steps]})))
+                if steps[-1].step > self._max_step.get(run_id, -1):
+                    self._max_step[run_id] = steps[-1].step
+            if pending.marks:
+                marks = pending.marks
+                batch_rows.append((run_id, rank, "marks", marks[0].step, marks[-1].step,
+                                   _dumps([[m.step, m.seqs] for m in marks])))
+            if pending.fingerprints:
+                names: list[list[str]] = []
+                prints = []
+                for fp in pending.fingerprints:
+                    item = {k: v for k, v in fp.items() if k != "names"}
+                    if isinstance(fp.get("names"), list):
+                        if not names or fp["names"] is not names[-1]:
+                            names.append(fp["names"])
+                        item["names"] = len(names) - 1
+                    prints.append(item)
+                steps_of = [fp.get("step") for fp in pending.fingerprints if isinstance(fp.get("step"), int)]
+                batch_rows.append((run_id, rank, "fingerprints", min(steps_of, default=-1), max(steps_of, default=-1),
+                                   _dumps({"names": names, "prints": prints})))
+        try:
+            with self._lock:
+                self._db.execute("BEGIN")
+                try:
+                    for statement, args in sql:
+                        self._db.execute(statement, args)
+                    if rank_rows:
+                        self._db.executemany("INSERT OR REPLACE INTO ranks VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                                             rank_rows)
+                    if batch_rows:
+                        self._db.executemany("INSERT INTO batches VALUES (?,?,?,?,?,?)", batch_rows)
+                    if time.monotonic() - self._pruned_at >= PRUNE_INTERVAL:
+                        self._pruned_at = time.monotonic()
+                        self._prune()
+                    self._db.execute("COMMIT")
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+        except sqlite3.Error as exc:
+            # Disk full, read-only file system, a deleted data dir: degrade, never crash.
+            self._degrade(f"index {self.path} not written ({type(exc).__name__}: {exc})")
+
+    def _prune(self) -> None:
+        """Retention: step, mark and fingerprint rows older than the step
+        window the analyses read (a long run's index does not grow without end)."""
+        for run_id, top in self._max_step.items():
+            self._db.execute("DELETE FROM batches WHERE run_id=? AND last_step < ?", (run_id, top - RETAINED_STEPS))
+            self._db.execute("DELETE FROM steps WHERE run_id=? AND step < ?", (run_id, top - RETAINED_STEPS))
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Write everything queued so far, and wait for it (end of a run, stop)."""
+        if self.readonly or self._thread is None:
+            return
+        with self._pending_lock:
+            target = self._started + 1  # the first flush that begins after this call
+        with self._flushed:
+            self._wake.set()
+            self._flushed.wait_for(lambda: self._generation >= target or not self._thread.is_alive(), timeout)
 
     def commit(self) -> None:
-        with self._lock:
-            self._end_transaction()
-            self._db.execute("BEGIN")
+        """Kept for callers of the old API: writes go out on the writer's clock."""
 
     def close(self) -> None:
+        if self._thread is not None:
+            self._stop = True
+            self._wake.set()
+            self._thread.join(timeout=30)
         with self._lock:
-            self._end_transaction()
-            self._db.close()
+            try:
+                self._db.close()
+            except sqlite3.Error:
+                pass
 
+    # -- writes (queued; never block on SQLite) ------------------------------------
     def _exec(self, sql: str, args: Iterable = ()) -> None:
-        with self._lock:
-            self._db.execute(sql, tuple(args))
+        if self.readonly:
+            return
+        with self._pending_lock:
+            self._sql.append((sql, tuple(args)))
+        self._ensure_writer()
 
-    def _many(self, sql: str, rows: list[tuple]) -> None:
-        if rows:
-            with self._lock:
-                self._db.executemany(sql, rows)
-
-    # -- writes ------------------------------------------------------------------
     def save_run(self, run: RunState, finished_at: Optional[float] = None) -> None:
         self._exec(
             "INSERT INTO runs VALUES (?,?,?,?,?,?,?,?) ON CONFLICT(run_id) DO UPDATE SET "
@@ -102,30 +281,48 @@ class Store:
         )
 
     def save_rank(self, run_id: str, s: RankState) -> None:
-        self._exec(
-            "INSERT OR REPLACE INTO ranks VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-            (run_id, s.rank, s.local_rank, s.node_rank, s.host, s.pid, s.step, s.forwards, s.phase,
-             s.last_progress_at, s.exit_code, s.exited_at, int(s.killed_by_rankwatch),
-             json.dumps(s.enqueued), json.dumps(s.completed)),
-        )
+        """The rank's latest state goes out with the next flush (once, however
+        many beats came in between)."""
+        if self.readonly:
+            return
+        with self._pending_lock:
+            self._ranks[(run_id, s.rank)] = s
+        self._ensure_writer()
 
-    def save_heartbeat_data(self, run_id: str, rank: int, hb: wire.Heartbeat) -> None:
-        self._many("INSERT OR REPLACE INTO steps VALUES (?,?,?,?)",
-                   [(run_id, rank, r.step, json.dumps(wire.to_dict(r))) for r in hb.steps])
-        self._many("INSERT OR REPLACE INTO marks VALUES (?,?,?,?)",
-                   [(run_id, rank, m.step, json.dumps(m.seqs)) for m in hb.marks])
-        self.save_events(run_id, rank, hb.events)
-        self._many("INSERT INTO fingerprints VALUES (?,?,?,?)",
-                   [(run_id, rank, int(f.get("step", -1)), json.dumps(f)) for f in hb.fingerprints])
+    def save_heartbeat_data(self, run_id: str, rank: int, hb: wire.Heartbeat,
+                            steps: Optional[list[wire.StepRecord]] = None,
+                            fingerprints: Optional[list[dict[str, Any]]] = None) -> None:
+        if self.readonly:
+            return
+        steps = hb.steps if steps is None else steps
+        fingerprints = hb.fingerprints if fingerprints is None else fingerprints
+        if steps or hb.marks or fingerprints:
+            with self._pending_lock:
+                pending = self._batches.get((run_id, rank))
+                if pending is None:
+                    pending = self._batches[(run_id, rank)] = _Pending()
+                if steps:
+                    pending.steps.extend(steps)
+                    del pending.steps[:-MAX_PENDING_PER_RANK]
+                if hb.marks:
+                    pending.marks.extend(hb.marks)
+                    del pending.marks[:-MAX_PENDING_PER_RANK]
+                if fingerprints:
+                    pending.fingerprints.extend(fingerprints)
+                    del pending.fingerprints[:-256]
+            self._ensure_writer()
+        if hb.events:
+            self.save_events(run_id, rank, hb.events)
 
     def save_events(self, run_id: str, rank: int, events: list[wire.Event]) -> None:
-        self._many("INSERT INTO events VALUES (?,?,?,?,?,?)",
-                   [(run_id, rank, e.kind, e.at, e.step, json.dumps(e.details)) for e in events])
+        for e in events:
+            self._exec("INSERT INTO events VALUES (?,?,?,?,?,?)",
+                       (run_id, rank, e.kind, e.at, e.step, _dumps(e.details)))
 
     def save_incident(self, run_id: str, inc: Incident) -> None:
         self._exec("INSERT OR REPLACE INTO incidents VALUES (?,?,?,?,?,?,?)",
                    (run_id, inc.id, inc.kind, inc.opened_at, inc.last_progress_at, inc.timeout,
-                    json.dumps({**inc.details, "requested_ranks": inc.requested_ranks})))
+                    _dumps({**inc.details, "requested_ranks": inc.requested_ranks})))
 
     def save_bundle(self, run_id: str, manifest: wire.BundleManifest, path: str, size: int, received_at: float) -> None:
         self._exec("INSERT INTO bundles VALUES (?,?,?,?,?,?,?,?,?)",
@@ -134,56 +331,108 @@ class Store:
 
     def save_verdict(self, run_id: str, v: wire.Verdict) -> None:
         self._exec("INSERT OR REPLACE INTO verdicts VALUES (?,?,?,?,?)",
-                   (run_id, v.kind, json.dumps(v.ranks), v.detected_at, json.dumps(wire.to_dict(v))))
+                   (run_id, v.kind, _dumps(v.ranks), v.detected_at, _dumps(wire.to_dict(v))))
 
     # -- reads ----------------------------------------------------------------------
-    def run_ids(self) -> list[str]:
+    def _rows(self, sql: str, args: tuple = ()) -> list[tuple]:
+        """Rows of a query; none from a table an older index does not have."""
         with self._lock:
-            return [r[0] for r in self._db.execute("SELECT run_id FROM runs ORDER BY started_at")]
+            try:
+                return self._db.execute(sql, args).fetchall()
+            except sqlite3.OperationalError as exc:
+                if "no such table" in str(exc):
+                    return []
+                raise
+
+    def run_ids(self) -> list[str]:
+        return [r[0] for r in self._rows("SELECT run_id FROM runs ORDER BY started_at")]
+
+    def unfinished_run_ids(self) -> list[str]:
+        return [r[0] for r in self._rows("SELECT run_id FROM runs WHERE finished_at IS NULL ORDER BY started_at")]
+
+    def has_run(self, run_id: str) -> bool:
+        return bool(self._rows("SELECT 1 FROM runs WHERE run_id=?", (run_id,)))
 
     def bundle_paths(self, run_id: str) -> list[str]:
-        with self._lock:
-            return [r[0] for r in self._db.execute("SELECT path FROM bundles WHERE run_id=?", (run_id,))]
+        return [r[0] for r in self._rows("SELECT path FROM bundles WHERE run_id=?", (run_id,))]
 
     def detected_at(self, run_id: str) -> dict[tuple[str, str], str]:
-        with self._lock:
-            rows = self._db.execute("SELECT kind, ranks, detected_at FROM verdicts WHERE run_id=?", (run_id,))
-            return {(k, r): d for k, r, d in rows}
+        rows = self._rows("SELECT kind, ranks, detected_at FROM verdicts WHERE run_id=?", (run_id,))
+        return {(k, r): d for k, r, d in rows}
+
+    def verdicts(self, run_id: str) -> list[wire.Verdict]:
+        """Verdicts already issued for the run (they survive a restart)."""
+        out = []
+        for (raw,) in self._rows("SELECT verdict FROM verdicts WHERE run_id=?", (run_id,)):
+            try:
+                out.append(wire.decode(wire.Verdict, json.loads(raw)))
+            except (ValueError, wire.WireError):
+                continue
+        return out
 
     def load_run(self, run_id: str) -> Optional[RunState]:
-        with self._lock:
-            row = self._db.execute(
-                "SELECT world_size, started_at, hang_timeout, on_hang, interrupted, aborted, finished_at "
-                "FROM runs WHERE run_id=?", (run_id,)).fetchone()
-            if row is None:
-                return None
-            run = RunState(run_id=run_id, world_size=row[0] or 0, started_at=row[1] or 0.0,
-                           hang_timeout=row[2], on_hang=row[3] or "abort", interrupted=bool(row[4]),
-                           aborted=row[5], finished=row[6] is not None)
-            for r in self._db.execute("SELECT * FROM ranks WHERE run_id=?", (run_id,)):
-                (_, rank, local_rank, node_rank, host, pid, step, forwards, phase, lpa, exit_code, exited_at,
-                 killed, enq, comp) = r
-                s = run.rank(rank)
-                s.local_rank, s.node_rank, s.host, s.pid = local_rank, node_rank, host, pid
-                s.step, s.forwards, s.phase, s.last_progress_at = step, forwards, phase, lpa or 0.0
-                s.exit_code, s.exited_at, s.killed_by_rankwatch = exit_code, exited_at, bool(killed)
-                s.enqueued, s.completed = json.loads(enq or "{}"), json.loads(comp or "{}")
-                s.world_size = run.world_size
-            for rank, step, record in self._db.execute(
-                    "SELECT rank, step, record FROM steps WHERE run_id=? ORDER BY rank, step", (run_id,)):
-                run.rank(rank).add_step(wire.decode(wire.StepRecord, json.loads(record)))
-            for rank, step, seqs in self._db.execute("SELECT rank, step, seqs FROM marks WHERE run_id=?", (run_id,)):
-                run.rank(rank).marks[step] = json.loads(seqs)
-            for rank, kind, at, step, details in self._db.execute(
-                    "SELECT rank, kind, at, step, details FROM events WHERE run_id=? ORDER BY at", (run_id,)):
-                run.rank(rank).events.append(wire.Event(kind=kind, at=at, step=step, details=json.loads(details)))
-            for rank, data in self._db.execute("SELECT rank, data FROM fingerprints WHERE run_id=?", (run_id,)):
-                run.rank(rank).fingerprints.append(json.loads(data))
-            for iid, kind, opened, lpa, timeout, details in self._db.execute(
-                    "SELECT id, kind, opened_at, last_progress_at, timeout, details FROM incidents WHERE run_id=?",
-                    (run_id,)):
-                d = json.loads(details or "{}")
-                run.incidents.append(Incident(id=iid, kind=kind, opened_at=opened, last_progress_at=lpa,
-                                              timeout=timeout, requested_ranks=d.pop("requested_ranks", []),
-                                              ready=True, details=d))
-            return run
+        rows = self._rows("SELECT world_size, started_at, hang_timeout, on_hang, interrupted, aborted, finished_at "
+                          "FROM runs WHERE run_id=?", (run_id,))
+        if not rows:
+            return None
+        row = rows[0]
+        run = RunState(run_id=run_id, world_size=row[0] or 0, started_at=row[1] or 0.0,
+                       hang_timeout=row[2], on_hang=row[3] or "abort", interrupted=bool(row[4]),
+                       aborted=row[5], finished=row[6] is not None)
+        for r in self._rows("SELECT * FROM ranks WHERE run_id=?", (run_id,)):
+            (_, rank, local_rank, node_rank, host, pid, step, forwards, phase, lpa, exit_code, exited_at,
+             killed, enq, comp) = r
+            s = run.rank(rank)
+            s.local_rank, s.node_rank, s.host, s.pid = local_rank, node_rank, host, pid
+            s.step, s.forwards, s.phase, s.last_progress_at = step, forwards, phase, lpa or 0.0
+            s.exit_code, s.exited_at, s.killed_by_rankwatch = exit_code, exited_at, bool(killed)
+            s.enqueued, s.completed = json.loads(enq or "{}"), json.loads(comp or "{}")
+            s.world_size = run.world_size
+        decode_step = wire.StepRecord
+        for rank, step, record in self._rows(
+                "SELECT rank, step, record FROM steps WHERE run_id=? ORDER BY rank, step", (run_id,)):
+            try:
+                run.rank(rank).add_step(wire.decode(decode_step, json.loads(record)))
+            except (ValueError, wire.WireError):
+                continue
+        for rank, kind, data in self._rows(
+                "SELECT rank, kind, data FROM batches WHERE run_id=? ORDER BY rowid", (run_id,)):
+            try:
+                self._load_batch(run.rank(rank), kind, json.loads(data))
+            except (ValueError, TypeError, KeyError, wire.WireError):
+                continue
+        for rank, step, seqs in self._rows("SELECT rank, step, seqs FROM marks WHERE run_id=?", (run_id,)):
+            run.rank(rank).marks[step] = json.loads(seqs)
+        for rank, kind, at, step, details in self._rows(
+                "SELECT rank, kind, at, step, details FROM events WHERE run_id=? ORDER BY at", (run_id,)):
+            run.rank(rank).events.append(wire.Event(kind=kind, at=at, step=step, details=json.loads(details)))
+        for rank, data in self._rows("SELECT rank, data FROM fingerprints WHERE run_id=?", (run_id,)):
+            run.rank(rank).fingerprints.append(json.loads(data))
+        for iid, kind, opened, lpa, timeout, details in self._rows(
+                "SELECT id, kind, opened_at, last_progress_at, timeout, details FROM incidents WHERE run_id=?",
+                (run_id,)):
+            d = json.loads(details or "{}")
+            run.incidents.append(Incident(id=iid, kind=kind, opened_at=opened, last_progress_at=lpa,
+                                          timeout=timeout, requested_ranks=d.pop("requested_ranks", []),
+                                          ready=True, details=d))
+        return run
+
+    @staticmethod
+    def _load_batch(state: RankState, kind: str, data: Any) -> None:
+        if kind == "steps":
+            columns = data["columns"]
+            decode = wire.StepRecord
+            for row in data["rows"]:
+                state.add_step(wire.decode(decode, dict(zip(columns, row))))
+        elif kind == "marks":
+            for step, seqs in data:
+                state.marks[int(step)] = seqs
+        elif kind == "fingerprints":
+            names = data["names"]
+            for item in data["prints"]:
+                index = item.pop("names", None)
+                if isinstance(index, int) and 0 <= index < len(names):
+                    item["names"] = names[index]
+                state.fingerprints.append(item)
+            del state.fingerprints[:-256]
+

@@ -177,6 +177,7 @@ class NodeReport:
     node: Optional[NodeHeartbeat] = None
     heartbeats: list[Heartbeat] = field(default_factory=list)
     version: int = WIRE_VERSION
+    sent_at: float = 0.0  # the node's clock
 
 
 @dataclass
@@ -203,6 +204,8 @@ class NodeReply:
     commands: list[Command] = field(default_factory=list)
     ranks: dict[str, list[Command]] = field(default_factory=dict)  # str(rank) -> commands
     version: int = WIRE_VERSION
+    # Seconds between the node's reports the collector asks for (slower at scale).
+    interval: Optional[float] = None
 
 
 # Column order the agent uses for `Heartbeat.step_rows` (any order is

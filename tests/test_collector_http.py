@@ -60,11 +60,11 @@ def test_bad_requests_get_clear_errors_and_the_service_survives(server):
     bad_run = wire.BundleManifest(run_id="../../etc", rank=0, local_rank=0, world_size=1, host="h", pid=1,
                                   step=0, created_at=time.time(), reason="hang", incident="i1")
     status, body = _post(server.url, "/v1/bundles", pack(bad_run, {}), content_type="application/gzip")
-    assert status == 400 and "invalid run id" in body["error"]
+    assert status == 400 and "run_id" in body["error"] and "../../etc" in body["error"]
     bad_incident = wire.BundleManifest(run_id="job", rank=0, local_rank=0, world_size=1, host="h", pid=1,
                                        step=0, created_at=time.time(), reason="hang", incident="../x")
     status, body = _post(server.url, "/v1/bundles", pack(bad_incident, {}), content_type="application/gzip")
-    assert status == 400 and "invalid incident" in body["error"]
+    assert status == 400 and "incident" in body["error"] and "../x" in body["error"]
     # An oversized body is refused from its Content-Length, before it is read.
     req = urllib.request.Request(server.url + "/v1/heartbeat", data=b"x", method="POST")
     req.add_header("Authorization", "Bearer t0ken")
