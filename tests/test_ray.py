@@ -1,0 +1,166 @@
+"""rankwatch on Ray Train: real local Ray cluster, TorchTrainer, 2 CPU workers, gloo.
+
+Every case runs examples/ray_train.py (the README's code) as its own driver
+process against one Ray cluster started for this module, so a crash cannot
+take pytest down. The training function is plain DDP through
+``ray.train.torch.prepare_model``; faults are injected on one rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("ray.train.torch")
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "ray_train.py"
+RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+@dataclass
+class RayJob:
+    exit_code: int
+    report: dict
+    output: str
+    elapsed: float
+    report_at: float  # when report.json appeared (time.time())
+    started_at: float
+
+    def verdicts(self, kind: str | None = None) -> list[dict]:
+        return [v for v in self.report.get("verdicts", []) if kind is None or v["kind"] == kind]
+
+    def only(self, kind: str) -> dict:
+        found = self.verdicts(kind)
+        assert found, f"no {kind} verdict; report:\n{json.dumps(self.report, indent=1)[:3000]}\n{self.output[-4000:]}"
+        assert len(self.verdicts()) == 1, f"one fault, one verdict: {[v['kind'] for v in self.verdicts()]}"
+        return found[0]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """One local Ray cluster (4 CPUs) for the module; every driver joins it."""
+    os.environ.update(RAY_ENV)
+    temp = tmp_path_factory.mktemp("ray")
+    ray.init(num_cpus=4, _temp_dir=str(temp), include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+
+
+def run_driver(cluster: str, tmp_path: Path, name: str, args: list[str], timeout: float = 150,
+               extra_env: dict | None = None) -> RayJob:
+    storage = tmp_path / "ray_results"
+    env = dict(os.environ, **RAY_ENV, RAY_ADDRESS=cluster, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("RANKWATCH_RUN_ID", None)
+    env.update(extra_env or {})
+    cmd = [sys.executable, str(EXAMPLE), "--storage", str(storage), "--name", name, *args]
+    started = time.time()
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    elapsed = time.time() - started
+    output = proc.stdout + proc.stderr
+    report_file = storage / name / "rankwatch" / "report.json"
+    assert report_file.is_file(), f"no report.json (exit {proc.returncode}):\n{output[-5000:]}"
+    job = RayJob(proc.returncode, json.loads(report_file.read_text()), output, elapsed,
+                 report_file.stat().st_mtime, started)
+    for v in job.verdicts():  # the figures the closing note quotes (pytest -s)
+        print(f"\n{name}: {v['kind']} ranks={v['ranks']} step={v['step']} first_seen={v['first_seen_at']} "
+              f"detected={v['detected_at']}: {v['summary']}")
+    print(f"\n{name}: exit {job.exit_code}, driver {elapsed:.1f} s")
+    return job
+
+
+def test_healthy_run_has_no_verdict(cluster, tmp_path):
+    job = run_driver(cluster, tmp_path, "healthy", ["--steps", "30"])
+    assert job.exit_code == 0, job.output[-4000:]
+    assert job.report["status"] == "healthy" and job.report["verdicts"] == [], json.dumps(job.report, indent=1)
+    assert job.report["world_size"] == 2
+
+
+def test_crash_names_the_rank_that_raised(cluster, tmp_path):
+    job = run_driver(cluster, tmp_path, "crash", ["--fault", "crash", "--fault-rank", "1", "--fault-step", "4"])
+    assert job.exit_code != 0, "Ray raises the worker's error from fit()"
+    crash = job.only("crash")
+    assert crash["ranks"] == [1] and crash["step"] == 4
+    assert "injected failure: bad batch" in crash["summary"]
+
+
+def test_nan_names_the_origin_rank_and_step(cluster, tmp_path):
+    job = run_driver(cluster, tmp_path, "nan", ["--fault", "nan", "--fault-rank", "1", "--fault-step", "6",
+                                                "--steps", "15"])
+    nonfinite = job.only("nonfinite")
+    assert nonfinite["ranks"] == [1] and nonfinite["step"] == 6
+
+
+def test_slow_rank_is_a_straggler(cluster, tmp_path):
+    job = run_driver(cluster, tmp_path, "slow", ["--fault", "slow", "--fault-rank", "0", "--steps", "40"])
+    assert job.exit_code == 0, "a straggler is reported, not killed"
+    straggler = job.only("straggler")
+    assert straggler["ranks"] == [0]
+    assert straggler["step"] is not None and straggler["step"] <= 25, "found while the job runs"
+
+
+def test_hang_is_named_and_the_run_ends_with_rankwatch_abort(cluster, tmp_path):
+    job = run_driver(cluster, tmp_path, "hang", ["--fault", "hang", "--fault-rank", "1", "--fault-step", "5",
+                                                 "--steps", "60"])
+    assert job.exit_code != 0
+    hang = job.only("hang")
+    assert hang["ranks"] == [1] and hang["step"] == 5
+    assert re.search(r"RankwatchAbort: rankwatch ended the run: hang on rank 1 at step 5", job.output), \
+        job.output[-4000:]
+    stalled = hang["evidence"]["stalled_for_s"]
+    detected = _seconds(hang["detected_at"]) - _seconds(hang["first_seen_at"])
+    # CONTRACT: within hang-timeout + 5 s of the last progress (adaptive: 20 s floor here).
+    assert detected <= hang["evidence"]["hang_timeout_s"] + 5, (detected, stalled)
+    print(f"\nhang: verdict {detected:.1f} s after the last progress (timeout {hang['evidence']['hang_timeout_s']} s);"
+          f" driver ran {job.elapsed:.1f} s")
+
+
+def test_without_rankwatch_ray_reports_nothing_on_the_same_hang(cluster, tmp_path):
+    """The baseline: the same hang job, no rankwatch, bounded wait."""
+    storage = tmp_path / "ray_results"
+    env = dict(os.environ, **RAY_ENV, RAY_ADDRESS=cluster, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, str(EXAMPLE), "--storage", str(storage), "--name", "baseline", "--no-rankwatch",
+           "--fault", "hang", "--fault-rank", "1", "--fault-step", "5", "--steps", "60"]
+    wait = float(os.environ.get("RANKWATCH_RAY_BASELINE_WAIT", "45"))
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=wait)
+        finished = True
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+        finished = False
+    assert not finished, f"Ray ended the hung job by itself within {wait} s:\n{out[-3000:]}"
+    named = re.findall(r"rank[ =]?(\d)", out.lower())
+    print(f"\nbaseline: after {wait:.0f} s Ray had reported "
+          f"{'nothing' if 'error' not in out.lower() else 'an error'}; ranks mentioned: {sorted(set(named))}")
+    assert "Error" not in out and "Timed out" not in out, out[-3000:]
+
+
+def test_readme_shows_the_tested_snippet():
+    text = EXAMPLE.read_text()
+    snippet = text.split("# --- README snippet begin ---\n", 1)[1].split("        # --- README snippet end ---", 1)[0]
+    lines = [line.strip() for line in snippet.splitlines() if line.strip()]
+    readme = (ROOT / "README.md").read_text()
+    if "rankwatch.ray" not in readme:
+        pytest.skip("README has no Ray Train section yet")
+    for line in lines:
+        assert line in readme, f"README's Ray section lacks the tested line {line!r}"
+
+
+def _seconds(iso: str) -> float:
+    import datetime as dt
+
+    return dt.datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
