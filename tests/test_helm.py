@@ -595,3 +595,17 @@ def test_hadolint(path):
     result = subprocess.run(["hadolint", "--failure-threshold", "info", str(path)], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_chart_readme_lists_every_value():
+    readme = (CHART / "README.md").read_text()
+
+    def leaves(values: dict, prefix: str = ""):
+        for key, value in values.items():
+            if isinstance(value, dict) and value and key not in ("resources", "headResources", "runDirVolume", "labels"):
+                yield from leaves(value, f"{prefix}{key}.")
+            else:
+                yield f"{prefix}{key}"
+
+    missing = [p for p in leaves(yaml.safe_load((CHART / "values.yaml").read_text())) if f"| `{p}` |" not in readme]
+    assert not missing, f"helm/rankwatch/README.md does not describe {missing}"
