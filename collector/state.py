@@ -1,22 +1,162 @@
 """What the collector knows about a run: the input of every analysis.
 
 Built live from heartbeats, node reports and bundles, or offline from a run
-dir's index and bundles. Analyses read a `RunState` and never mutate it.
+dir's index and bundles. Analyses read a `RunState` and never change what it
+holds about the job; they keep their own running summaries in `run.trackers`.
+
+Every container here is bounded, whatever the run's length: a rank keeps a
+window of recent step records (`step_window`, smaller for bigger jobs), its
+recent collective marks, its recent events plus the first event of each kind,
+and its last fingerprints. Everything that arrives is also queued on the run's
+`feed`; the analyses drain that queue in step order into fixed-size running
+summaries (see analyses/common.py), so a 100,000-step run costs what a
+100-step run costs.
 """
 
 from __future__ import annotations
 
 import collections
 import statistics
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from rankwatch import wire
 
 from .evidence import RankEvidence
 
-STEP_WINDOW = 2048
+# Recent step records kept per rank: ~1 KiB each, so the window shrinks as the
+# job grows (a fixed budget of records per run), never below MIN_STEP_WINDOW.
+MAX_STEP_WINDOW = 256
+MIN_STEP_WINDOW = 16
+RECORDS_PER_RUN = 2_000_000
+MARK_WINDOW = 32  # collective marks per rank (every 5th step: the last ~160 steps)
+EVENT_WINDOW = 256  # recent events per rank, plus the first event of each kind
+FINGERPRINT_WINDOW = 2  # a rank's latest fingerprints (the analyses keep their own summaries)
+DURATIONS_KEPT = 512  # recent step durations across ranks, for the adaptive hang timeout
+
+
+def step_window(world_size: int) -> int:
+    return max(MIN_STEP_WINDOW, min(MAX_STEP_WINDOW, RECORDS_PER_RUN // max(1, world_size)))
+
+
+class Feed:
+    """What arrived since the analyses last looked: (kind, rank, item) in
+    arrival order. Appended under the ingest lock, drained by the analysis
+    thread without it (deque append/popleft are atomic)."""
+
+    def __init__(self) -> None:
+        self._items: collections.deque[tuple[str, int, Any]] = collections.deque()
+
+    def put(self, kind: str, rank: int, item: Any) -> None:
+        self._items.append((kind, rank, item))
+
+    def drain(self) -> list[tuple[str, int, Any]]:
+        out = []
+        for _ in range(len(self._items)):
+            out.append(self._items.popleft())
+        return out
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class EventLog:
+    """A rank's events: the recent ones and the first of each kind (crash,
+    oom and the report's notes read those, however long the run)."""
+
+    def __init__(self) -> None:
+        self._items: list[wire.Event] = []
+        self.first: dict[str, wire.Event] = {}
+        self.rank = -1
+        self.feed: Optional[Feed] = None
+
+    def append(self, event: wire.Event) -> None:
+        self.first.setdefault(event.kind, event)
+        self._items.append(event)
+        if len(self._items) > 2 * EVENT_WINDOW:
+            firsts = {id(e) for e in self.first.values()}
+            cut = len(self._items) - EVENT_WINDOW
+            self._items[:] = [e for i, e in enumerate(self._items) if i >= cut or id(e) in firsts]
+        if self.feed is not None:
+            self.feed.put("event", self.rank, event)
+
+    def extend(self, events) -> None:
+        for event in events:
+            self.append(event)
+
+    def __iter__(self) -> Iterator[wire.Event]:
+        return iter(list(self._items))
+
+    def __reversed__(self) -> Iterator[wire.Event]:
+        return iter(self._items[::-1])
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, index):
+        return self._items[index]
+
+    def __delitem__(self, index) -> None:  # callers trimming it themselves: it is bounded already
+        del self._items[index]
+
+
+class FingerprintLog:
+    """A rank's latest fingerprints; every one is also fed to the analyses.
+    Parameter-name lists are shared across ranks and steps (`names` table)."""
+
+    def __init__(self) -> None:
+        self._items: collections.deque[dict[str, Any]] = collections.deque(maxlen=FINGERPRINT_WINDOW)
+        self.rank = -1
+        self.feed: Optional[Feed] = None
+        self.names: Optional[dict[tuple, list]] = None
+
+    def append(self, fingerprint: dict[str, Any]) -> None:
+        if not isinstance(fingerprint, dict):
+            return
+        names = fingerprint.get("names")
+        if isinstance(names, (list, tuple)) and self.names is not None:
+            key = tuple(str(n) for n in names)
+            shared = self.names.get(key)
+            if shared is None:
+                shared = self.names[key] = list(key)  # one list for every rank and step (never mutated)
+            fingerprint = {**fingerprint, "names": shared}
+        self._items.append(fingerprint)
+        if self.feed is not None:
+            self.feed.put("fingerprint", self.rank, fingerprint)
+
+    def extend(self, fingerprints) -> None:
+        for fingerprint in fingerprints:
+            self.append(fingerprint)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return iter(list(self._items))
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, index):
+        return list(self._items)[index]
+
+    def __delitem__(self, index) -> None:  # callers trimming it themselves: it is bounded already
+        items = list(self._items)
+        del items[index]
+        self._items = collections.deque(items, maxlen=FINGERPRINT_WINDOW)
+
+
+class MarkLog(collections.OrderedDict):
+    """step -> {pg: last enqueued seq}: the most recent MARK_WINDOW marks."""
+
+    def __setitem__(self, step, seqs) -> None:
+        super().__setitem__(step, seqs)
+        while len(self) > MARK_WINDOW:
+            self.popitem(last=False)
+
+    def setdefault(self, step, seqs=None):
+        if step not in self:
+            self[step] = seqs
+        return self[step]
 
 
 @dataclass
@@ -34,29 +174,59 @@ class RankState:
     phase_since: float = 0.0
     last_progress_at: float = 0.0  # agent clock
     last_heartbeat_at: float = 0.0  # collector clock
+    # collector clock - agent clock, lowest seen (network delay included, queueing not)
+    clock_offset: Optional[float] = None
     enqueued: dict[str, int] = field(default_factory=dict)
     completed: dict[str, int] = field(default_factory=dict)
     steps: "collections.OrderedDict[int, wire.StepRecord]" = field(default_factory=collections.OrderedDict)
-    marks: dict[int, dict[str, int]] = field(default_factory=dict)
-    events: list[wire.Event] = field(default_factory=list)
-    fingerprints: list[dict[str, Any]] = field(default_factory=list)
+    marks: MarkLog = field(default_factory=MarkLog)
+    events: EventLog = field(default_factory=EventLog)
+    fingerprints: FingerprintLog = field(default_factory=FingerprintLog)
     host_memory: dict[str, int] = field(default_factory=dict)  # last heartbeat's
     exit_code: Optional[int] = None  # negative: signal
     exited_at: Optional[float] = None
     killed_by_rankwatch: bool = False
     evidence: dict[str, RankEvidence] = field(default_factory=dict)  # incident -> evidence
+    last_record: Optional[wire.StepRecord] = None  # newest step record (metrics)
+    nonfinite_steps: int = 0  # steps with NaN/Inf loss or local gradients, ever
+    window: int = MAX_STEP_WINDOW
+    feed: Optional[Feed] = field(default=None, repr=False, compare=False)
+
+    def attach(self, feed: Feed, names: dict[tuple, list], window: int) -> None:
+        self.feed = feed
+        self.window = window
+        self.events.rank = self.fingerprints.rank = self.rank
+        self.events.feed = self.fingerprints.feed = feed
+        self.fingerprints.names = names
 
     def add_step(self, record: wire.StepRecord) -> None:
-        self.steps[record.step] = record
-        while len(self.steps) > STEP_WINDOW:
-            self.steps.popitem(last=False)
+        if record.step in self.steps:
+            self.steps[record.step] = record
+            return  # a re-sent record: the analyses saw it already
+        older = len(self.steps) >= self.window and record.step < next(iter(self.steps))
+        if not older:  # a late record older than the window (from a bundle) only goes to the analyses
+            self.steps[record.step] = record
+            while len(self.steps) > self.window:
+                self.steps.popitem(last=False)
+        if self.last_record is None or record.step >= self.last_record.step:
+            self.last_record = record
+        if record.nonfinite_grads or (record.loss is not None and record.loss != record.loss) or (
+                record.loss is not None and abs(record.loss) == float("inf")):
+            self.nonfinite_steps += 1
+        if self.feed is not None:
+            self.feed.put("step", self.rank, record)
+
+    def add_event(self, event: wire.Event) -> None:
+        self.events.append(event)
+
+    def add_fingerprint(self, fingerprint: dict[str, Any]) -> None:
+        self.fingerprints.append(fingerprint)
 
     def exception_event(self) -> Optional[wire.Event]:
-        for event in self.events:
-            if event.kind == "exception":
-                return event
-        return None
+        return self.events.first.get("exception")
 
+    def first_event(self, kind: str) -> Optional[wire.Event]:
+        return self.events.first.get(kind)
 
 
 @dataclass
@@ -85,36 +255,78 @@ class RunState:
     finished: bool = False
     interrupted: bool = False
     aborted: Optional[str] = None  # why rankwatch ended the job
-    last_progress_seen_at: float = field(default_factory=time.time)  # collector clock
+    # When any rank last made progress, on the collector's clock: the agents'
+    # own progress times (corrected by each rank's clock offset), never the
+    # arrival time of a late heartbeat.
+    last_progress_seen_at: float = field(default_factory=time.time)
     orphan_evidence: list[RankEvidence] = field(default_factory=list)
+    # Running summaries, kept up to date as records arrive (never a rescan).
+    max_step: int = 0
+    ranks_reported: int = 0
+    checkpointing: set = field(default_factory=set)  # ranks in the checkpoint phase
+    durations: collections.deque = field(default_factory=lambda: collections.deque(maxlen=DURATIONS_KEPT))
+    typical_step_s: Optional[float] = None
+    feed: Feed = field(default_factory=Feed, repr=False, compare=False)
+    names: dict[tuple, list] = field(default_factory=dict, repr=False, compare=False)  # shared name tables
+    trackers: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)  # analyses' summaries
+    # Held while the analyses' summaries are brought up to date (analyses/common.settle),
+    # which runs outside the collector's ingest lock.
+    analysis_lock: Any = field(default_factory=threading.RLock, repr=False, compare=False)
 
     def rank(self, rank: int) -> RankState:
         state = self.ranks.get(rank)
         if state is None:
-            state = self.ranks[rank] = RankState(rank=rank)
+            state = RankState(rank=rank)
+            state.attach(self.feed, self.names, step_window(max(self.world_size, rank + 1)))
+            self.ranks[rank] = state
         return state
 
     def evidence_for(self, incident: str) -> dict[int, RankEvidence]:
-        return {r: s.evidence[incident] for r, s in self.ranks.items() if incident in s.evidence}
+        return {r: s.evidence[incident] for r, s in list(self.ranks.items()) if incident in s.evidence}
 
     def all_evidence(self) -> list[RankEvidence]:
-        return [ev for s in self.ranks.values() for ev in s.evidence.values()]
+        return [ev for s in list(self.ranks.values()) for ev in list(s.evidence.values())]
+
+    def observe_heartbeat(self, state: RankState, hb: wire.Heartbeat, now: float, progressed: bool) -> None:
+        """Run-level summaries the hang watch reads each tick, updated in O(1)
+        per heartbeat (call before the rank's state takes the heartbeat in).
+        Progress is dated by the agent, when it happened, then put on the
+        collector's clock with the rank's offset: a late heartbeat carrying old
+        progress no longer resets the stall clock."""
+        sent = hb.sent_at or now
+        offset = now - sent
+        if state.clock_offset is None or offset < state.clock_offset:
+            state.clock_offset = offset
+        if state.last_heartbeat_at == 0.0:
+            self.ranks_reported += 1
+        if hb.phase == "checkpoint":
+            self.checkpointing.add(state.rank)
+        else:
+            self.checkpointing.discard(state.rank)
+        self.max_step = max(self.max_step, hb.step)
+        if progressed and hb.phase != "exited":
+            moved = hb.step > state.step or hb.forwards > state.forwards or hb.phase != state.phase
+            # Step, forward or phase: the agent's own time. A collective alone
+            # (or a new rank): by the time the heartbeat was built.
+            at = hb.last_progress_at if moved and 0 < hb.last_progress_at <= sent else sent
+            self.last_progress_seen_at = max(self.last_progress_seen_at, min(now, at + state.clock_offset))
+
+    def note_duration(self, record: wire.StepRecord) -> None:
+        self.durations.append(max(0.0, record.ended_at - record.started_at))
 
     def step_durations(self) -> list[float]:
         """Recent step durations across ranks (for the adaptive hang timeout)."""
-        durations = []
-        for state in self.ranks.values():
-            for record in list(state.steps.values())[-50:]:
-                durations.append(max(0.0, record.ended_at - record.started_at))
-        return durations
+        return list(self.durations)
 
     def adaptive_timeout(self, startup: float, floor: float, multiplier: float) -> float:
         if self.hang_timeout is not None:
             return self.hang_timeout
-        if not any(s.step > 1 for s in self.ranks.values()):  # the first step is start-up too
-            return startup
-        durations = self.step_durations()
-        if not durations:
-            return startup
-        typical = statistics.median(durations)
+        if self.max_step <= 1 and not any(s.step > 1 for s in list(self.ranks.values())[:64]):
+            return startup  # the first step is start-up too
+        typical = self.typical_step_s
+        if typical is None:
+            durations = self.step_durations()
+            if not durations:
+                return startup
+            typical = statistics.median(durations)
         return max(floor, multiplier * typical)

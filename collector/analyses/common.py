@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import bisect
 import datetime as _dt
 import os
 import re
+import statistics
 from typing import Any, Iterable, Optional
 
 from rankwatch import wire
@@ -12,9 +14,10 @@ from rankwatch import wire
 # Frames in these files are torch's or Python's machinery; the user's code is elsewhere.
 _MACHINERY = (
     f"{os.sep}torch{os.sep}",
-    f"{os.sep}rankwatch{os.sep}",
-    # the agent's own folder (a source checkout: <repo>/agent next to <repo>/collector)
-    os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "agent") + os.sep,
+    # rankwatch installed as a package (on any host); a user's own folder that
+    # is merely called "rankwatch" is not machinery (see _OWN_DIRS)
+    f"site-packages{os.sep}rankwatch{os.sep}",
+    f"dist-packages{os.sep}rankwatch{os.sep}",
     "<frozen ",
     f"{os.sep}runpy.py",
     f"{os.sep}threading.py",
@@ -58,8 +61,22 @@ def verdict(kind: str, ranks: Iterable[int], step: Optional[int], first_seen: Op
 _STDLIB = re.compile(r"[\\/]lib[\\/]python3\.\d+[\\/](?!site-packages|dist-packages)")
 
 
+def _own_dirs() -> tuple[str, ...]:
+    """The real folders of this rankwatch: the package, and agent/ and
+    collector/ (in a source checkout they sit next to rankwatch/)."""
+    import rankwatch
+
+    here = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # collector/
+    return tuple(sorted({os.path.dirname(os.path.realpath(rankwatch.__file__)) + os.sep, here + os.sep,
+                         os.path.join(os.path.dirname(here), "agent") + os.sep}))
+
+
+_OWN_DIRS = _own_dirs()
+
+
 def is_machinery(filename: str) -> bool:
-    return any(marker in filename for marker in _MACHINERY) or bool(_STDLIB.search(filename))
+    return (any(marker in filename for marker in _MACHINERY) or bool(_STDLIB.search(filename))
+            or filename.startswith(_OWN_DIRS))
 
 
 def user_frame(frames: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
@@ -150,3 +167,156 @@ def majority(values: dict[int, Any]) -> tuple[Any, list[int]]:
         return None, []
     value = winners[0]
     return value, sorted(r for r, v in values.items() if v != value)
+
+
+# -- running summaries -------------------------------------------------------------
+#
+# The analyses never rescan history. Everything a rank sends is queued on the
+# run's feed (state.py); `settle` drains it into each analysis' tracker:
+#   on_record(run, rank, record)   every step record as it arrives (any order)
+#   on_event(run, rank, event)     every event, per rank in arrival order
+#   on_step(run, step, records)    a sealed step: {rank: record}, steps in order
+#   on_prints(run, step, prints)   a sealed fingerprint step: {rank: fingerprint}
+# A step is sealed once every live rank has sent a later one (records of a
+# rank arrive in order), so live and offline (`rankwatch analyze`, which feeds
+# the whole run at once) see the same steps with the same records and reach
+# the same verdicts. Cross-rank work happens once per sealed step: O(ranks).
+
+SEAL_LAG = 2  # steps: a GPU rank fills a step's loss and norm a step late
+PENDING_RECORDS = 1_000_000  # records held for sealing, at most (then the oldest step is sealed)
+MIN_PENDING_STEPS = 64
+PENDING_PRINTS = 4  # fingerprint steps held for sealing
+
+TRACKERS: dict[str, Any] = {}  # name -> factory, registered by the analysis modules
+
+
+def register_tracker(name: str, factory) -> None:
+    TRACKERS[name] = factory
+
+
+def tracker(run, name: str):
+    """The analysis' running summary for this run (created on first use)."""
+    found = run.trackers.get(name)
+    if found is None:
+        found = run.trackers[name] = TRACKERS[name]()
+    return found
+
+
+class _Sealer:
+    def __init__(self) -> None:
+        self.pending: dict[int, dict[int, Any]] = {}
+        self.frontier: dict[int, int] = {}
+        self.sealed_upto = -1
+        self.prints: dict[int, dict[int, dict]] = {}
+        self.print_frontier: dict[int, int] = {}
+        self.prints_sealed_upto = -1
+        self.late = 0  # records that arrived after their step was sealed (ignored)
+
+
+def settle(run, final: bool = False) -> None:
+    """Bring every tracker up to date with what arrived (cheap when nothing did).
+
+    Live, the collector calls it from its analysis thread; the analyses call it
+    too (idempotent), so offline callers need nothing else."""
+    with run.analysis_lock:
+        _settle(run, final)
+
+
+def _settle(run, final: bool) -> None:
+    sealer = run.trackers.get("_sealer")
+    if sealer is None:
+        sealer = run.trackers["_sealer"] = _Sealer()
+    active = [tracker(run, name) for name in TRACKERS]
+    for kind, rank, item in run.feed.drain():
+        if kind == "step":
+            step = item.step
+            if step <= sealer.sealed_upto:
+                sealer.late += 1
+                continue
+            sealer.pending.setdefault(step, {})[rank] = item
+            if step > sealer.frontier.get(rank, -1):
+                sealer.frontier[rank] = step
+            run.note_duration(item)
+            for t in active:
+                hook = getattr(t, "on_record", None)
+                if hook is not None:
+                    hook(run, rank, item)
+        elif kind == "event":
+            for t in active:
+                hook = getattr(t, "on_event", None)
+                if hook is not None:
+                    hook(run, rank, item)
+        elif kind == "fingerprint":
+            step = item.get("step")
+            if not isinstance(step, int) or step <= sealer.prints_sealed_upto:
+                continue
+            sealer.prints.setdefault(step, {})[rank] = item
+            if step > sealer.print_frontier.get(rank, -1):
+                sealer.print_frontier[rank] = step
+    if run.durations:
+        run.typical_step_s = statistics.median(run.durations)
+    live = [r for r, s in list(run.ranks.items()) if s.exit_code is None]
+    _seal_steps(run, sealer, live, active, final)
+    _seal_prints(run, sealer, live, active, final)
+
+
+def _limit(frontier: dict[int, int], live: list[int], pending, lag: int, final: bool) -> int:
+    if final or not live:
+        return max(pending) if pending else -1
+    return min(frontier.get(r, -1) for r in live) - lag
+
+
+def _seal_steps(run, sealer: _Sealer, live: list[int], active: list, final: bool) -> None:
+    if not sealer.pending:
+        return
+    limit = _limit(sealer.frontier, live, sealer.pending, SEAL_LAG, final)
+    cap = max(MIN_PENDING_STEPS, PENDING_RECORDS // max(1, len(run.ranks)))
+    hooks = [t.on_step for t in active if hasattr(t, "on_step")]
+    for step in sorted(sealer.pending):
+        if step > limit and len(sealer.pending) <= cap:
+            break
+        records = sealer.pending.pop(step)
+        sealer.sealed_upto = step
+        for hook in hooks:
+            hook(run, step, records)
+
+
+def _seal_prints(run, sealer: _Sealer, live: list[int], active: list, final: bool) -> None:
+    if not sealer.prints:
+        return
+    limit = _limit(sealer.print_frontier, [r for r in live if r in sealer.print_frontier] or live,
+                   sealer.prints, 0, final)
+    hooks = [t.on_prints for t in active if hasattr(t, "on_prints")]
+    for step in sorted(sealer.prints):
+        if step > limit and len(sealer.prints) <= PENDING_PRINTS:
+            break
+        prints = sealer.prints.pop(step)
+        sealer.prints_sealed_upto = step
+        for hook in hooks:
+            hook(run, step, prints)
+
+
+def peer_medians(values: dict[int, float]) -> dict[int, float]:
+    """For each rank, the median of the *other* ranks' values: one sort for
+    all ranks (O(n log n)), not one median per rank (O(n^2)). Same numbers
+    as statistics.median over the others."""
+    ordered = sorted(values.values())
+    n = len(ordered)
+    m = n - 1  # peers of one rank
+    out: dict[int, float] = {}
+    if m <= 0:
+        return out
+    half = m // 2
+    for rank, value in values.items():
+        i = bisect.bisect_left(ordered, value)  # drop one copy of this rank's value
+        hi = ordered[half] if half < i else ordered[half + 1]
+        if m % 2:
+            out[rank] = hi
+        else:
+            lo = ordered[half - 1] if half - 1 < i else ordered[half]
+            out[rank] = (lo + hi) / 2
+    return out
+
+
+def median(values) -> float:
+    return statistics.median(values)

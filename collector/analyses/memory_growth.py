@@ -8,6 +8,7 @@ steps are skipped: allocators and DataLoader workers grow then settle.
 
 from __future__ import annotations
 
+import collections
 import statistics
 from typing import Optional
 
@@ -15,7 +16,7 @@ from rankwatch import wire
 from rankwatch.memory_snapshot import human
 
 from ..state import RunState
-from .common import ranks_text, verdict
+from .common import ranks_text, register_tracker, settle, tracker, verdict
 
 SKIP_FIRST = 5
 MIN_STEPS = 15
@@ -24,13 +25,37 @@ MIN_SLOPE = 1 << 20  # 1 MiB per step
 STEADY = 0.6  # fraction of steps that grow
 
 
-def _series(run: RunState, rank: int, field: str) -> list[tuple[int, float, float]]:
-    out = []
-    for record in run.ranks[rank].steps.values():
-        value = getattr(record, field)
-        if value is not None and record.step >= SKIP_FIRST:
-            out.append((record.step, float(value), record.ended_at))
-    return out[-WINDOW:]
+FIELDS = (("device_allocated_bytes", "device memory"), ("rss_bytes", "host memory (RSS)"))
+PEER_SAMPLE = 64  # peers' slopes: every peer up to this many, an even sample beyond
+
+
+class Series:
+    """One rank's last WINDOW (step, value, time) points of one memory field,
+    with a running count of the steps that grew."""
+
+    __slots__ = ("points", "ups")
+
+    def __init__(self) -> None:
+        self.points: collections.deque[tuple[int, float, float]] = collections.deque(maxlen=WINDOW)
+        self.ups = 0
+
+    def add(self, step: int, value: float, at: float) -> None:
+        points = self.points
+        if len(points) == WINDOW:
+            first, second = points[0], points[1]
+            self.ups -= second[1] > first[1]
+        if points:
+            self.ups += value > points[-1][1]
+        points.append((step, value, at))
+
+    def candidate(self) -> bool:
+        """Cheap necessary conditions before the Theil-Sen slope: enough
+        points, growing on most steps, and overall."""
+        n = len(self.points)
+        if n < MIN_STEPS or self.ups < STEADY * (n - 1):
+            return False
+        first, last = self.points[0], self.points[-1]
+        return last[1] - first[1] >= MIN_SLOPE / 4 * max(1, last[0] - first[0])
 
 
 def theil_sen(points: list[tuple[int, float]]) -> float:
@@ -45,33 +70,99 @@ def theil_sen(points: list[tuple[int, float]]) -> float:
     return statistics.median(slopes) if slopes else 0.0
 
 
-def growth(run: RunState, rank: int, field: str) -> Optional[dict]:
-    series = _series(run, rank, field)
-    if len(series) < MIN_STEPS:
+def _growth(series: Series) -> Optional[dict]:
+    points = list(series.points)
+    if len(points) < MIN_STEPS:
         return None
-    slope = theil_sen([(s, v) for s, v, _ in series])
-    ups = sum(1 for a, b in zip(series, series[1:]) if b[1] > a[1])
-    duration = series[-1][2] - series[0][2]
-    per_second = slope * (series[-1][0] - series[0][0]) / duration if duration > 0 else 0.0
-    return {"bytes_per_step": slope, "bytes_per_second": per_second, "steady": ups / (len(series) - 1),
-            "first_step": series[0][0], "last_step": series[-1][0], "last_bytes": series[-1][1],
-            "first_at": series[0][2]}
+    slope = theil_sen([(s, v) for s, v, _ in points])
+    duration = points[-1][2] - points[0][2]
+    per_second = slope * (points[-1][0] - points[0][0]) / duration if duration > 0 else 0.0
+    return {"bytes_per_step": slope, "bytes_per_second": per_second, "steady": series.ups / (len(points) - 1),
+            "first_step": points[0][0], "last_step": points[-1][0], "last_bytes": points[-1][1],
+            "first_at": points[0][2]}
+
+
+class Tracker:
+    """Per field and rank, a Series; the slopes are computed only for ranks
+    that pass `Series.candidate` (and for a bounded sample of their peers).
+    The first leak found is kept (a leak that plateaus later stays a leak);
+    while the same ranks keep leaking its figures follow the latest window."""
+
+    def __init__(self) -> None:
+        self.series: dict[str, dict[int, Series]] = {f: {} for f, _ in FIELDS}
+        self.findings: dict[str, dict] = {}
+
+    def on_step(self, run: RunState, step: int, records: dict[int, wire.StepRecord]) -> None:
+        if step < SKIP_FIRST:
+            return
+        for field, _ in FIELDS:
+            per_rank = self.series[field]
+            changed = False
+            for rank, record in records.items():
+                value = getattr(record, field)
+                if value is None:
+                    continue
+                series = per_rank.get(rank)
+                if series is None:
+                    series = per_rank[rank] = Series()
+                series.add(step, float(value), record.ended_at)
+                changed = True
+            if changed:
+                self._evaluate(run, field)
+
+    def _evaluate(self, run: RunState, field: str) -> None:
+        per_rank = self.series[field]
+        candidates = [r for r, s in per_rank.items() if s.candidate()]
+        if not candidates:
+            return
+        eligible = sorted(r for r, s in per_rank.items() if len(s.points) >= MIN_STEPS)
+        sample = eligible if len(eligible) <= PEER_SAMPLE + 1 else eligible[:: len(eligible) // PEER_SAMPLE]
+        slopes: dict[int, dict] = {}
+
+        def growth(rank: int) -> Optional[dict]:
+            if rank not in slopes:
+                slopes[rank] = _growth(per_rank[rank])
+            return slopes[rank]
+
+        leaking = {}
+        for rank in candidates:
+            g = growth(rank)
+            if g is None or g["bytes_per_step"] < MIN_SLOPE or g["steady"] < STEADY:
+                continue
+            peers = [p["bytes_per_step"] for r in sample if r != rank and (p := growth(r)) is not None]
+            peer_slope = statistics.median(peers) if peers else 0.0
+            if g["bytes_per_step"] > 4 * max(peer_slope, 0.0) + MIN_SLOPE / 2:
+                leaking[rank] = {**g, "peer_bytes_per_step": peer_slope}
+        if not leaking or (len(run.ranks) > 1 and len(leaking) == len(run.ranks)):
+            return
+        found = self.findings.get(field)
+        if found is None:
+            self.findings[field] = {"leaking": leaking}
+        elif set(found["leaking"]) == set(leaking):
+            first = {r: found["leaking"][r] for r in leaking}
+            for rank, g in leaking.items():  # the leak's start stays where it was first seen
+                g["first_step"], g["first_at"] = first[rank]["first_step"], first[rank]["first_at"]
+            found["leaking"] = leaking
+
+
+register_tracker("memory_growth", Tracker)
+
+
+def growth(run: RunState, rank: int, field: str) -> Optional[dict]:
+    """The rank's current slope of one field (running summary; for tools and tests)."""
+    settle(run)
+    series = tracker(run, "memory_growth").series[field].get(rank)
+    return _growth(series) if series is not None else None
 
 
 def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
-    for field, what in (("device_allocated_bytes", "device memory"), ("rss_bytes", "host memory (RSS)")):
-        stats = {r: g for r in run.ranks if (g := growth(run, r, field)) is not None}
-        if len(stats) < 1:
+    settle(run, final)
+    findings = tracker(run, "memory_growth").findings
+    for field, what in FIELDS:
+        found = findings.get(field)
+        if found is None:
             continue
-        leaking = {}
-        for rank, g in stats.items():
-            peers = [p["bytes_per_step"] for r, p in stats.items() if r != rank]
-            peer_slope = statistics.median(peers) if peers else 0.0
-            if (g["bytes_per_step"] >= MIN_SLOPE and g["steady"] >= STEADY
-                    and g["bytes_per_step"] > 4 * max(peer_slope, 0.0) + MIN_SLOPE / 2):
-                leaking[rank] = {**g, "peer_bytes_per_step": peer_slope}
-        if not leaking or (len(run.ranks) > 1 and len(leaking) == len(run.ranks)):
-            continue
+        leaking = found["leaking"]
         rank = max(leaking, key=lambda r: leaking[r]["bytes_per_step"])
         g = leaking[rank]
         eta = _time_to_exhaustion(run, rank, g, field)
@@ -83,7 +174,7 @@ def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
                         else f"; at this rate memory runs out in about {eta / 60:.0f} min.")
         else:
             summary += "."
-        evidence = {"memory": field, "ranks": {str(r): d for r, d in leaking.items()},
+        evidence = {"memory": field, "ranks": {str(r): dict(d) for r, d in leaking.items()},
                     "seconds_to_exhaustion": eta}
         return [verdict("memory_growth", leaking, g["first_step"], g["first_at"], now, summary, evidence)]
     return []

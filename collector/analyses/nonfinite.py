@@ -14,30 +14,85 @@ from typing import Any
 from rankwatch import wire
 
 from ..state import RunState
-from .common import ranks_text, verb, verdict
+from .common import ranks_text, register_tracker, settle, tracker, verb, verdict
 
 REPEATED_SKIPS = 20  # consecutive skipped overflow steps that make a verdict
 
 
+KEPT_STEPS = 4  # the earliest non-finite steps kept (the origin and what followed)
+
+
+class _Skips:
+    __slots__ = ("length", "best", "previous", "start")
+
+    def __init__(self) -> None:
+        self.length, self.best, self.previous, self.start = 0, 0, None, None
+
+
+class Tracker:
+    """The earliest non-finite steps (step -> rank -> what), from events and
+    step records in any order (an event's details win over a record's), and
+    per rank the running count of consecutive skipped overflow steps."""
+
+    def __init__(self) -> None:
+        self.bad: dict[int, dict[int, tuple[int, dict[str, Any]]]] = {}
+        self.skips: dict[int, _Skips] = {}
+        self.repeated: set[int] = set()  # ranks with REPEATED_SKIPS in a row, at some point
+
+    def _note(self, step: int, rank: int, priority: int, details: dict[str, Any]) -> None:
+        at_step = self.bad.get(step)
+        if at_step is None:
+            if len(self.bad) >= KEPT_STEPS:
+                latest = max(self.bad)
+                if step > latest:
+                    return
+                del self.bad[latest]
+            at_step = self.bad[step] = {}
+        known = at_step.get(rank)
+        if known is None or priority > known[0]:
+            at_step[rank] = (priority, details)
+
+    def on_record(self, run: RunState, rank: int, record: wire.StepRecord) -> None:
+        bad_loss = record.loss is not None and not math.isfinite(record.loss)
+        if record.nonfinite_grads or bad_loss:
+            self._note(record.step, rank, 0, {
+                "at": record.ended_at, "source": "local_gradients" if record.nonfinite_grads else "loss",
+                "parameters": [], "loss": record.loss})
+
+    def on_step(self, run: RunState, step: int, records: dict[int, wire.StepRecord]) -> None:
+        for rank, record in records.items():  # a GPU rank fills its loss a step late
+            self.on_record(run, rank, record)
+
+    def on_event(self, run: RunState, rank: int, event: wire.Event) -> None:
+        if event.kind == "nonfinite" and event.step is not None:
+            self._note(event.step, rank, 1, {"at": event.at, **event.details})
+        elif event.kind == "overflow_skipped":
+            s = self.skips.get(rank)
+            if s is None:
+                s = self.skips[rank] = _Skips()
+            s.length = s.length + 1 if s.previous is not None and event.step == s.previous else 1
+            s.previous = event.step  # skipped steps do not advance the optimizer step
+            if s.length == 1:
+                s.start = event
+            s.best = max(s.best, s.length)
+            if s.best >= REPEATED_SKIPS:
+                self.repeated.add(rank)
+
+
+register_tracker("nonfinite", Tracker)
+
+
 def _bad_steps(run: RunState) -> dict[int, dict[int, dict[str, Any]]]:
-    """step -> rank -> what was non-finite there."""
-    out: dict[int, dict[int, dict[str, Any]]] = {}
-    for rank, state in run.ranks.items():
-        for event in state.events:
-            if event.kind == "nonfinite" and event.step is not None:
-                out.setdefault(event.step, {})[rank] = {"at": event.at, **event.details}
-        for record in state.steps.values():
-            bad_loss = record.loss is not None and not math.isfinite(record.loss)
-            if (record.nonfinite_grads or bad_loss) and rank not in out.get(record.step, {}):
-                out.setdefault(record.step, {})[rank] = {
-                    "at": record.ended_at, "source": "local_gradients" if record.nonfinite_grads else "loss",
-                    "parameters": [], "loss": record.loss}
-    return out
+    """step -> rank -> what was non-finite there (the earliest steps)."""
+    settle(run)
+    bad = tracker(run, "nonfinite").bad
+    return {step: {r: d for r, (_, d) in per.items()} for step, per in bad.items()}
 
 
 def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
+    settle(run, final)
     found = []
-    bad = _bad_steps(run)
+    bad = {step: {r: d for r, (_, d) in per.items()} for step, per in tracker(run, "nonfinite").bad.items()}
     if bad:
         step = min(bad)
         origin = bad[step]
@@ -70,16 +125,10 @@ def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
 
 def _repeated_skips(run: RunState, now: float) -> list[wire.Verdict]:
     culprits, evidence, first_at, first_step = [], {}, None, None
-    for rank, state in run.ranks.items():
-        skips = [e for e in state.events if e.kind == "overflow_skipped"]
-        run_length, best, start = 0, 0, None
-        previous_step = None
-        for event in skips:
-            run_length = run_length + 1 if previous_step is not None and event.step == previous_step else 1
-            previous_step = event.step  # skipped steps do not advance the optimizer step
-            if run_length == 1:
-                start = event
-            best = max(best, run_length)
+    t = tracker(run, "nonfinite")
+    for rank in sorted(t.repeated):
+        s = t.skips[rank]
+        best, start = s.best, s.start
         if best >= REPEATED_SKIPS and start is not None:
             culprits.append(rank)
             evidence[str(rank)] = {"consecutive_skipped_steps": best, "parameters": start.details.get("parameters")}

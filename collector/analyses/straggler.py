@@ -12,13 +12,14 @@ verdict.
 
 from __future__ import annotations
 
+import collections
 import statistics
 from typing import Optional
 
 from rankwatch import wire
 
 from ..state import RunState
-from .common import ranks_text, verdict, verb
+from .common import peer_medians, ranks_text, register_tracker, settle, tracker, verb, verdict
 
 THRESHOLD = 1.33  # own / peers' median time (1 / 0.75)
 WINDOW = 12  # steps
@@ -33,78 +34,145 @@ def own_time(record: wire.StepRecord) -> Optional[float]:
     return record.compute_s  # measured from the step's start: includes data loading
 
 
-def _times(run: RunState) -> tuple[dict[int, dict[int, float]], list[int]]:
-    times: dict[int, dict[int, float]] = {}
-    for rank, state in run.ranks.items():
-        for record in state.steps.values():
-            t = own_time(record)
-            if t is not None and record.step >= SKIP_FIRST:
-                times.setdefault(record.step, {})[rank] = t
-    steps = sorted(s for s, per in times.items() if len(per) == len(run.ranks) and len(per) >= 2)
-    return times, steps
+class Tracker:
+    """The last WINDOW steps that every rank reported, each rank's time next
+    to its peers' median at that step (computed once per step for all ranks),
+    and a running count of the steps each rank was over the threshold. A rank
+    is scored over the window only when that count makes it a candidate."""
 
+    def __init__(self) -> None:
+        # step -> rank -> (own, peers' median, over, data_s, started_at)
+        self.window: collections.deque[tuple[int, dict[int, tuple]]] = collections.deque(maxlen=WINDOW)
+        self.over: dict[int, int] = {}
+        self.finding: Optional[dict] = None
+        self.scores: dict[int, dict] = {}  # latest window, every rank (metrics)
+        self.scored_step = -1
 
-def _score_window(run: RunState, times: dict[int, dict[int, float]], steps: list[int]) -> dict[int, dict]:
-    out = {}
-    for rank in run.ranks:
-        over, own, peer, first_over = 0, [], [], None
-        for step in steps:
-            mine = times[step][rank]
-            others = statistics.median(v for r, v in times[step].items() if r != rank)
-            own.append(mine)
-            peer.append(others)
-            if mine > THRESHOLD * others and mine - others > MIN_EXCESS_S:
+    def on_step(self, run: RunState, step: int, records: dict[int, wire.StepRecord]) -> None:
+        if step < SKIP_FIRST:
+            return
+        times = {r: t for r, rec in records.items() if (t := own_time(rec)) is not None}
+        if len(times) != len(run.ranks) or len(times) < 2:
+            return
+        peers = peer_medians(times)
+        entry = {}
+        for rank, mine in times.items():
+            others = peers[rank]
+            over = mine > THRESHOLD * others and mine - others > MIN_EXCESS_S
+            rec = records[rank]
+            entry[rank] = (mine, others, over, rec.data_s, rec.started_at)
+            if over:
+                self.over[rank] = self.over.get(rank, 0) + 1
+        if len(self.window) == WINDOW:
+            for rank, old in self.window[0][1].items():
+                if old[2]:
+                    left = self.over[rank] - 1
+                    if left:
+                        self.over[rank] = left
+                    else:
+                        del self.over[rank]
+        self.window.append((step, entry))
+        if len(self.window) < WINDOW:
+            return
+        if self.finding is None:
+            self._evaluate(run)
+        # Scores of every rank (a metric): each step on small jobs, once a window on big ones.
+        if len(times) <= 1024 or step - self.scored_step >= WINDOW:
+            self.scores = {r: self._score(r) for r in times}
+            self.scored_step = step
+
+    def _score(self, rank: int) -> dict:
+        own, peer, over, first_over = [], [], 0, None
+        for step, entry in self.window:
+            row = entry.get(rank)
+            if row is None:
+                continue
+            own.append(row[0])
+            peer.append(row[1])
+            if row[2]:
                 over += 1
                 first_over = step if first_over is None else first_over
+        if not own:
+            return {"score": 0.0, "own_median_s": 0.0, "peer_median_s": 0.0, "steps_over": 0, "first_over": None}
         own_median, peer_median = statistics.median(own), statistics.median(peer)
-        out[rank] = {"score": own_median / max(peer_median, 1e-9), "own_median_s": own_median,
-                     "peer_median_s": peer_median, "steps_over": over, "window": steps, "first_over": first_over}
-    return out
+        return {"score": own_median / max(peer_median, 1e-9), "own_median_s": own_median,
+                "peer_median_s": peer_median, "steps_over": over, "first_over": first_over}
+
+    def _evaluate(self, run: RunState) -> None:
+        # Only a rank over the threshold on most of the window can be slow.
+        candidates = [r for r, n in self.over.items() if n >= PERSISTENCE * WINDOW]
+        slow = {}
+        for rank in candidates:
+            d = self._score(rank)
+            if d["score"] >= THRESHOLD:
+                slow[rank] = d
+        if not slow:
+            return
+        minority = len(slow) < len(run.ranks) / 2 or (len(run.ranks) == 2 and len(slow) == 1)
+        if not minority:
+            return
+        steps = [s for s, _ in self.window]
+        worst_rank = max(slow, key=lambda r: slow[r]["score"])
+        worst = slow[worst_rank]
+        start = worst["first_over"] if worst["first_over"] is not None else steps[0]
+        first_at = next((e[worst_rank][4] for s, e in self.window if s == start and worst_rank in e), None)
+        ranks = sorted(self.window[-1][1])
+        if len(ranks) > 64:  # evidence stays small at any size: the slow ranks and a sample of the others
+            ranks = sorted(set(slow) | set(ranks[:: max(1, len(ranks) // 64)]))
+        self.finding = {
+            "slow": slow, "worst_rank": worst_rank, "steps": steps, "start": start, "first_at": first_at,
+            "phase": self._phase(worst_rank),
+            "scores": {str(r): round(self._score(r)["score"], 3) for r in ranks},
+        }
+
+    def _phase(self, rank: int) -> str:
+        """Where the extra time goes: data loading or forward/backward."""
+        data: dict[int, list[float]] = {}
+        compute: dict[int, list[float]] = {}
+        for _, entry in self.window:
+            for r, row in entry.items():
+                d = row[3] or 0.0
+                data.setdefault(r, []).append(d)
+                compute.setdefault(r, []).append(row[0] - d)
+        split = {r: (statistics.median(data[r]), statistics.median(compute[r])) for r in data}
+        mine = split[rank]
+        peers = [v for r, v in split.items() if r != rank]
+        peer_data = statistics.median(p[0] for p in peers)
+        peer_compute = statistics.median(p[1] for p in peers)
+        return "data loading" if mine[0] - peer_data >= mine[1] - peer_compute else "forward/backward"
+
+
+register_tracker("straggler", Tracker)
 
 
 def scores(run: RunState) -> dict[int, dict]:
-    """Per rank, the straggler score over the latest window (also for metrics)."""
-    times, steps = _times(run)
-    if len(steps) < WINDOW:
-        return {}
-    return _score_window(run, times, steps[-WINDOW:])
-
-
-def _slow(run: RunState, found: dict[int, dict]) -> dict[int, dict]:
-    slow = {r: d for r, d in found.items()
-            if d["steps_over"] >= PERSISTENCE * len(d["window"]) and d["score"] >= THRESHOLD}
-    minority = len(slow) < len(run.ranks) / 2 or (len(run.ranks) == 2 and len(slow) == 1)
-    return slow if minority else {}
+    """Per rank, the straggler score over the latest window (also for metrics).
+    Reads the running summary only: safe from any thread, never a rescan."""
+    found = run.trackers.get("straggler")
+    return found.scores if found is not None else {}
 
 
 def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
     # The earliest window in which a minority of ranks is persistently slow:
     # the step the straggler was first observed, live or offline alike.
-    times, steps = _times(run)
-    found, slow = {}, {}
-    for end in range(WINDOW, len(steps) + 1):
-        found = _score_window(run, times, steps[end - WINDOW:end])
-        slow = _slow(run, found)
-        if slow:
-            break
-    if not slow:
+    settle(run, final)
+    finding = tracker(run, "straggler").finding
+    if finding is None:
         return []
-    worst_rank = max(slow, key=lambda r: slow[r]["score"])
+    slow, worst_rank = finding["slow"], finding["worst_rank"]
     worst = slow[worst_rank]
-    phase = _phase(run, worst_rank, worst["window"])
-    window = worst["window"]
+    phase, window = finding["phase"], finding["steps"]
     extra = worst["own_median_s"] - worst["peer_median_s"]
     summary = (f"{ranks_text(slow).capitalize()} {verb(slow, 'is', 'are')} a straggler: its own work takes "
                f"{worst['own_median_s'] * 1e3:.0f} ms per step against {worst['peer_median_s'] * 1e3:.0f} ms on its "
                f"peers ({worst['score']:.1f}x, +{extra * 1e3:.0f} ms, mostly in {phase}) on "
                f"{worst['steps_over']} of the last {len(window)} steps; every other rank waits for it in the allreduce.")
-    state = run.ranks[worst_rank]
-    start = worst["first_over"] if worst["first_over"] is not None else window[0]
-    first = state.steps[start].started_at if start in state.steps else now
-    evidence = {"ranks": {str(r): {k: v for k, v in d.items() if k not in ("window", "first_over")}
+    start = finding["start"]
+    first = finding["first_at"] if finding["first_at"] is not None else now
+    evidence = {"ranks": {str(r): {k: v for k, v in d.items() if k != "first_over"} | {"window": window}
                           for r, d in slow.items()},
                 "phase": phase, "steps": [window[0], window[-1]],
-                "scores": {str(r): round(d["score"], 3) for r, d in found.items()}}
+                "scores": dict(finding["scores"])}
     diff = profile_difference(run, worst_rank)
     if diff:
         evidence["profile"] = diff
@@ -135,22 +203,3 @@ def profile_difference(run: RunState, slow: int) -> Optional[dict]:
     rows.sort(key=lambda r: r["extra_ms"], reverse=True)
     return {"slow_rank": slow, "healthy_rank": healthy, "operations": rows[:10],
             "traces": {str(slow): mine.bundle_path, str(healthy): theirs.bundle_path}}
-
-
-def _phase(run: RunState, rank: int, window: list[int]) -> str:
-    """Where the extra time goes: data loading or forward/backward."""
-    def split(r: int) -> tuple[float, float]:
-        data, compute = [], []
-        for step in window:
-            rec = run.ranks[r].steps.get(step)
-            if rec is not None and rec.compute_s is not None:
-                d = rec.data_s or 0.0
-                data.append(d)
-                compute.append(rec.compute_s - d)
-        return (statistics.median(data) if data else 0.0, statistics.median(compute) if compute else 0.0)
-
-    mine = split(rank)
-    peers = [split(r) for r in run.ranks if r != rank]
-    peer_data = statistics.median(p[0] for p in peers)
-    peer_compute = statistics.median(p[1] for p in peers)
-    return "data loading" if mine[0] - peer_data >= mine[1] - peer_compute else "forward/backward"

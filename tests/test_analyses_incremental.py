@@ -1,0 +1,268 @@
+"""The analyses as running summaries: same verdicts in any arrival order
+(live batches, or a whole run at once as `rankwatch analyze` feeds it),
+bounded state however long the run, verdicts never retracted, one run's
+failure isolated from the others, a hang clock that late heartbeats do not
+reset, and /metrics rendered without the ingest lock. Pure functions and an
+in-process Collector: no training processes."""
+
+from __future__ import annotations
+
+import logging
+import random
+import statistics
+import threading
+import time
+import tracemalloc
+
+import pytest
+
+from rankwatch import wire
+from rankwatch.collector import analyses
+from rankwatch.collector.analyses import common
+from rankwatch.collector.metrics import CollectorMetrics
+from rankwatch.collector.service import Collector
+from rankwatch.collector.state import RunState, step_window
+from rankwatch.config import Config
+
+T0 = float(int(time.time()) + 100)  # after the RunStates are made (their clocks start at real time)
+
+
+def record(step: int, rank: int, *, compute: float = 0.05, grad: float | None = 1.0, rss: int = 1 << 30,
+           loss: float = 1.0) -> wire.StepRecord:
+    return wire.StepRecord(step=step, started_at=T0 + step, ended_at=T0 + step + 0.1, compute_s=compute,
+                           data_s=0.001, loss=loss, grad_norm=grad, rss_bytes=rss)
+
+
+def heartbeat(run_id: str, rank: int, world: int, step: int, records, sent_at: float, *,
+              last_progress_at: float | None = None, fingerprints=None, events=None) -> wire.Heartbeat:
+    return wire.Heartbeat(
+        identity=wire.RankIdentity(run_id=run_id, rank=rank, local_rank=rank % 8, world_size=world,
+                                   node_rank=rank // 8, host=f"node{rank // 8}", pid=1000 + rank, attempt=0),
+        sent_at=sent_at, seq=step, step=step, forwards=step, phase="data", phase_since=sent_at,
+        last_progress_at=sent_at if last_progress_at is None else last_progress_at,
+        collectives_enqueued={"0": step}, steps=list(records), fingerprints=list(fingerprints or []),
+        events=list(events or []))
+
+
+def scenario(seed: int) -> tuple[int, list[tuple[int, wire.StepRecord]]]:
+    rnd = random.Random(seed)
+    n, steps = rnd.randint(2, 9), rnd.randint(15, 90)
+    slow = rnd.randrange(n) if rnd.random() < 0.4 else None
+    slow_from = rnd.randint(0, steps)
+    spike = (rnd.randrange(n), rnd.randint(3, steps)) if rnd.random() < 0.4 else None
+    leak = rnd.randrange(n) if rnd.random() < 0.3 else None
+    leak_from = rnd.randint(0, steps)
+    nan = (rnd.randrange(n), rnd.randint(0, steps)) if rnd.random() < 0.3 else None
+    out = []
+    for s in range(steps):
+        for r in range(n):
+            compute = 0.05 * (1 + 0.3 * rnd.random()) + (rnd.choice([0.01, 0.05, 0.2]) if slow == r and s >= slow_from
+                                                         else 0.0)
+            grad = (1.0 + 0.5 * rnd.random()) * (rnd.choice([5, 50, 500]) if spike == (r, s) else 1)
+            rss = (1 << 30) + rnd.randint(0, 1 << 20) + (
+                (s - leak_from) * rnd.choice([1 << 21, 1 << 22]) if leak == r and s >= leak_from else 0)
+            loss = float("nan") if nan and nan[0] == r and s >= nan[1] else 1.0
+            out.append((r, record(s, r, compute=compute, grad=None if rnd.random() < 0.1 else grad, rss=rss,
+                                  loss=loss)))
+    return n, out
+
+
+def verdict_keys(run: RunState) -> list[tuple]:
+    return sorted((v.kind, tuple(v.ranks), v.step) for m in (analyses.straggler, analyses.grad_spike,
+                                                              analyses.memory_growth, analyses.nonfinite)
+                  for v in m.detect(run, T0 + 1e4, True))
+
+
+@pytest.mark.parametrize("seed", range(0, 60, 3))
+def test_same_verdicts_live_in_batches_and_offline_at_once(seed):
+    n, records = scenario(seed)
+    offline = RunState(run_id="x", world_size=n)
+    for rank, rec in sorted(records, key=lambda x: (x[0], x[1].step)):  # the index's order: rank by rank
+        offline.rank(rank).add_step(rec)
+    live = RunState(run_id="x", world_size=n)
+    rnd = random.Random(seed)
+    for i, (rank, rec) in enumerate(records):  # arrival order, analysed between random batches
+        live.rank(rank).add_step(rec)
+        if rnd.random() < 0.05:
+            for m in (analyses.straggler, analyses.grad_spike, analyses.memory_growth, analyses.nonfinite):
+                m.detect(live, T0 + i, False)
+    assert verdict_keys(live) == verdict_keys(offline)
+
+
+def test_peer_medians_are_the_medians_of_the_others():
+    rnd = random.Random(1)
+    for n in range(2, 40):
+        values = {r: rnd.choice([rnd.random(), 0.5, 1.0]) for r in range(n)}
+        got = common.peer_medians(values)
+        for r in values:
+            assert got[r] == statistics.median(v for k, v in values.items() if k != r)
+
+
+def test_known_faults_found_on_the_right_rank_and_step():
+    n = 6
+    run = RunState(run_id="x", world_size=n)
+    for s in range(60):
+        for r in range(n):
+            run.rank(r).add_step(record(s, r, compute=0.3 if r == 4 and s >= 10 else 0.05,
+                                        grad=200.0 if (r, s) == (2, 30) else 1.0 + 0.01 * ((r + s) % 7),
+                                        rss=(1 << 30) + (s * (20 << 20) if r == 1 else 0)))
+    found = {v.kind: v for v in analyses.run_all(run, T0 + 100, True)}
+    assert found["straggler"].ranks == [4] and 10 <= found["straggler"].step <= 22
+    assert found["grad_spike"].ranks == [2] and found["grad_spike"].step == 30
+    assert found["memory_growth"].ranks == [1]
+    assert 15 << 20 < found["memory_growth"].evidence["ranks"]["1"]["bytes_per_step"] < 25 << 20
+
+
+def test_weight_divergence_compares_parameters_not_buffers():
+    names = ["param:0.weight", "param:0.bias", "buffer:1.running_mean"]
+    run = RunState(run_id="x", world_size=3)
+    for r in range(3):
+        # BatchNorm statistics differ per replica between broadcasts: never a verdict.
+        run.rank(r).add_fingerprint({"step": 9, "names": list(names), "norms": [1.0, 2.0, 0.5 + r]})
+    assert analyses.weight_divergence.detect(run, T0, True) == []
+    for r in range(3):
+        run.rank(r).add_fingerprint({"step": 19, "names": list(names), "norms": [1.0 + (r == 2), 2.0, 0.5]})
+    v = analyses.weight_divergence.detect(run, T0, True)[0]
+    assert v.ranks == [2] and v.step == 19 and v.evidence["differing_tensors"] == ["param:0.weight"]
+    # One shared name list for every rank and step.
+    prints = [fp for s in run.ranks.values() for fp in s.fingerprints]
+    assert len({id(fp["names"]) for fp in prints}) == 1
+
+
+def test_state_is_bounded_however_long_the_run():
+    """8 ranks: the state after 20,000 steps weighs what it weighs after 2,000."""
+    n = 8
+    run = RunState(run_id="x", world_size=n)
+    names = [f"param:layer{i}.weight" for i in range(150)]
+
+    def feed(start: int, stop: int) -> None:
+        for s in range(start, stop):
+            for r in range(n):
+                state = run.rank(r)
+                state.add_step(record(s, r, grad=1.0 + 0.001 * (s % 13)))
+                if s % 7 == 0:
+                    state.add_event(wire.Event(kind="overflow_skipped", at=T0 + s, step=s))
+                if s % 100 == 99:
+                    state.add_fingerprint({"step": s, "names": list(names), "norms": [1.0] * 150})
+                state.marks[s] = {"0": s}
+            if s % 50 == 0:
+                common.settle(run)
+
+    tracemalloc.start()
+    feed(0, 2_000)
+    common.settle(run)
+    at_2k = tracemalloc.get_traced_memory()[0]
+    feed(2_000, 20_000)
+    common.settle(run)
+    at_20k = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    assert at_20k - at_2k < 0.1 * at_2k + 200_000, (at_2k, at_20k)
+    for state in run.ranks.values():
+        assert len(state.steps) <= step_window(n) and len(state.marks) <= 64
+        assert len(state.events) <= 2 * 256 and len(state.fingerprints) <= 2
+    assert len(run.trackers["_sealer"].pending) <= common.SEAL_LAG and len(run.durations) <= 512
+
+
+def _collector(**cfg) -> Collector:
+    return Collector(config=Config(**cfg))
+
+
+def test_announced_verdict_is_never_retracted():
+    c = _collector()
+    n = 2
+    for s in range(0, 40, 4):
+        for r in range(n):
+            recs = [record(k, r, rss=(1 << 30) + (k * (20 << 20) if r == 1 and k < 25 else 0)) for k in range(s, s + 4)]
+            c.ingest_heartbeat(heartbeat("leak", r, n, s + 4, recs, T0 + s), T0 + s)
+        c.tick(T0 + s + 0.5)
+    assert [v.kind for v in c.report("leak").verdicts] == ["memory_growth"]
+    # Whatever a later pass says (here: the analysis' summary lost), the report keeps it.
+    c.runs["leak"].trackers["memory_growth"].findings.clear()
+    report = c.finish("leak")
+    assert [(v.kind, v.ranks) for v in report.verdicts] == [("memory_growth", [1])]
+
+
+def test_one_runs_failure_does_not_stop_another_runs_hang_watch(caplog, monkeypatch):
+    c = _collector(hang_timeout=5.0)
+    for run_id in ("bad", "good"):
+        for r in range(2):
+            c.ingest_heartbeat(heartbeat(run_id, r, 2, 3, [record(k, r) for k in range(3)], T0), T0)
+    original = common.settle
+
+    def broken(run, final=False):
+        if run.run_id == "bad":
+            raise RuntimeError("corrupt summary")
+        return original(run, final)
+
+    monkeypatch.setattr("rankwatch.collector.service.settle", broken)
+    monkeypatch.setattr(analyses, "run_all", lambda run, now, final: (_ for _ in ()).throw(RuntimeError("x"))
+                        if run.run_id == "bad" else [])
+    with caplog.at_level(logging.ERROR, logger="rankwatch.collector"):
+        for i in range(12):
+            c.ingest_heartbeat(heartbeat("bad", 0, 2, 3 + i, [record(3 + i, 0)], T0 + i), T0 + i)
+            c.tick(T0 + i + 0.6)
+    assert [i.kind for i in c.runs["good"].incidents] == ["hang"]
+    failures = [r for r in caplog.records if "bad" in r.getMessage()]
+    assert 1 <= len(failures) <= 2, "logged once per kind of failure"
+
+
+def test_late_heartbeats_do_not_reset_the_stall_clock():
+    """A heartbeat that arrives late (queued behind a slow collector) carries
+    old progress: the incident still opens hang-timeout after the last
+    progress the agents report."""
+    c = _collector(hang_timeout=10.0)
+    n = 4
+    for r in range(n):  # every rank steps until T0+20, heartbeats on time
+        c.ingest_heartbeat(heartbeat("late", r, n, 20, [], T0 + 20, last_progress_at=T0 + 20), T0 + 20.01)
+    for r in range(n):  # a heartbeat built at T0+21 with a new step (progress at T0+20.5), delivered 15 s late
+        c.ingest_heartbeat(heartbeat("late", r, n, 21, [], T0 + 21, last_progress_at=T0 + 20.5), T0 + 36)
+    c.tick(T0 + 31.0)
+    assert [i.kind for i in c.runs["late"].incidents] == ["hang"]
+    incident = c.runs["late"].incidents[0]
+    assert incident.last_progress_at == pytest.approx(T0 + 20.51, abs=0.05)
+
+
+def test_metrics_render_per_run_without_the_ingest_lock():
+    c = _collector()
+    metrics = CollectorMetrics(c)
+    for run_id in ("a", "b"):
+        for r in range(3):
+            c.ingest_heartbeat(heartbeat(run_id, r, 3, 5, [record(k, r) for k in range(5)], T0), T0)
+    c.runs["b"].ranks[1].enqueued = None  # a run whose state cannot be rendered
+    done = threading.Event()
+    text: list[str] = []
+
+    def scrape():
+        text.append(metrics.render()[0].decode())
+        done.set()
+
+    with c._lock:  # ingest (or a slow tick) holds the lock: the scrape does not wait for it
+        threading.Thread(target=scrape, daemon=True).start()
+        assert done.wait(10)
+    body = text[0]
+    assert 'rankwatch_step{run="a",node="node0",rank="2",local_rank="2"} 5.0' in body
+    assert 'run="b"' not in body
+    assert "rankwatch_ingest_latency_seconds_count" in body
+
+
+def test_one_tick_costs_the_same_after_a_long_run():
+    """The tick's analysis work per new step does not grow with the steps seen."""
+    n = 16
+    c = _collector()
+
+    def run_steps(start: int, count: int) -> float:
+        spent = 0.0
+        for s in range(start, start + count, 10):
+            for r in range(n):
+                c.ingest_heartbeat(heartbeat("long", r, n, s + 10, [record(k, r) for k in range(s, s + 10)],
+                                             T0 + s), T0 + s)
+            began = time.process_time()
+            c.tick(T0 + s + 5)  # analyses due every tick
+            spent += time.process_time() - began
+        return spent
+
+    run_steps(0, 200)
+    early = run_steps(200, 300)
+    run_steps(500, 3000)
+    late = run_steps(3500, 300)
+    assert late < 2.5 * early + 0.05, (early, late)
