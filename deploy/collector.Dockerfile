@@ -14,11 +14,12 @@ FROM python:3.11.11-slim-bookworm
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1
 # torch is a dependency of the agent (inside the training processes), not of the collector:
-# install rankwatch without dependencies, then only what the collector imports (tested by
-# tests/test_helm.py, which runs the collector with torch made unimportable).
+# install rankwatch without dependencies, then only what the collector imports: pyyaml, the
+# Prometheus client and aiohttp (its default HTTP server). tests/test_helm.py runs the collector
+# with torch made unimportable.
 COPY --from=build /wheels /wheels
 RUN pip install --no-cache-dir --no-deps /wheels/*.whl \
-    && pip install --no-cache-dir "pyyaml==6.0.3" "prometheus-client==0.26.0" \
+    && pip install --no-cache-dir "pyyaml==6.0.3" "prometheus-client==0.26.0" "aiohttp==3.14.5" \
     && rm -rf /wheels \
     && groupadd --gid 10001 rankwatch \
     && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin rankwatch \

@@ -342,7 +342,8 @@ def test_the_collector_container_runs_without_torch_and_stops_cleanly_on_sigterm
         assert _get(url + "/healthz")[0] == 200  # the probes need no token
         status, body = _get(url + "/metrics", token)
         assert status == 200 and b"rankwatch_" in body
-        # Writes need the chart's token.
+        # Every endpoint but the health probe needs the chart's token (CONTRACT.md).
+        assert _get(url + "/metrics")[0] == 401 and _get(url + "/v1/status")[0] == 401
         assert _get(url + "/v1/nodes", None, b"{}")[0] == 401
         assert _get(url + "/v1/nodes", "wrong", b"{}")[0] == 401
         assert _get(url + "/v1/status", token)[0] == 200
