@@ -489,6 +489,10 @@ def test_training_jobs_run_rankwatch_against_the_collector(chart, name):
         assert by_name["RANKWATCH_RUN_DIR"]["value"] == "/var/run/rankwatch"
     if name == "rayjob":
         assert job["spec"]["entrypoint"] == "python /workspace/ray_train.py '--num-workers' '2'"
+        head = {e["name"]: e.get("value") for e in job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+                ["containers"][0]["env"]}
+        assert head["RAY_TRAIN_CALLBACKS"] == "rankwatch.ray.RankwatchCallback"  # no change to the driver
+        assert job["spec"]["rayClusterSpec"]["rayVersion"] == "2.60.0"
         return
     for command in commands:
         # torchrun's options come from PET_* variables: no launcher flag before the script.
