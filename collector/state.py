@@ -29,9 +29,11 @@ from .evidence import RankEvidence
 # Recent step records kept per rank: ~1 KiB each, so the window shrinks as the
 # job grows (a fixed budget of records per run), never below MIN_STEP_WINDOW.
 MAX_STEP_WINDOW = 256
-MIN_STEP_WINDOW = 16
-RECORDS_PER_RUN = 2_000_000
-MARK_WINDOW = 32  # collective marks per rank (every 5th step: the last ~160 steps)
+MIN_STEP_WINDOW = 8
+RECORDS_PER_RUN = 1_000_000
+MARK_WINDOW = 32  # collective marks per rank (every 5th step: the last ~160 steps) ...
+MIN_MARK_WINDOW = 4
+MARKS_PER_RUN = 200_000  # ... fewer on big jobs: collective_mismatch compares every kept mark each pass
 EVENT_WINDOW = 256  # recent events per rank, plus the first event of each kind
 FINGERPRINT_WINDOW = 2  # a rank's latest fingerprints (the analyses keep their own summaries)
 DURATIONS_KEPT = 512  # recent step durations across ranks, for the adaptive hang timeout
@@ -39,6 +41,10 @@ DURATIONS_KEPT = 512  # recent step durations across ranks, for the adaptive han
 
 def step_window(world_size: int) -> int:
     return max(MIN_STEP_WINDOW, min(MAX_STEP_WINDOW, RECORDS_PER_RUN // max(1, world_size)))
+
+
+def mark_window(world_size: int) -> int:
+    return max(MIN_MARK_WINDOW, min(MARK_WINDOW, MARKS_PER_RUN // max(1, world_size)))
 
 
 class Feed:
@@ -146,11 +152,13 @@ class FingerprintLog:
 
 
 class MarkLog(collections.OrderedDict):
-    """step -> {pg: last enqueued seq}: the most recent MARK_WINDOW marks."""
+    """step -> {pg: last enqueued seq}: the most recent marks (`mark_window`)."""
+
+    limit = MARK_WINDOW
 
     def __setitem__(self, step, seqs) -> None:
         super().__setitem__(step, seqs)
-        while len(self) > MARK_WINDOW:
+        while len(self) > self.limit:
             self.popitem(last=False)
 
     def setdefault(self, step, seqs=None):
@@ -176,6 +184,7 @@ class RankState:
     last_heartbeat_at: float = 0.0  # collector clock
     # collector clock - agent clock, lowest seen (network delay included, queueing not)
     clock_offset: Optional[float] = None
+    last_seq: int = 0  # newest heartbeat taken in (older ones arrive late, out of order)
     enqueued: dict[str, int] = field(default_factory=dict)
     completed: dict[str, int] = field(default_factory=dict)
     steps: "collections.OrderedDict[int, wire.StepRecord]" = field(default_factory=collections.OrderedDict)
@@ -192,12 +201,13 @@ class RankState:
     window: int = MAX_STEP_WINDOW
     feed: Optional[Feed] = field(default=None, repr=False, compare=False)
 
-    def attach(self, feed: Feed, names: dict[tuple, list], window: int) -> None:
+    def attach(self, feed: Feed, names: dict[tuple, list], world_size: int) -> None:
         self.feed = feed
-        self.window = window
+        self.window = step_window(world_size)
         self.events.rank = self.fingerprints.rank = self.rank
         self.events.feed = self.fingerprints.feed = feed
         self.fingerprints.names = names
+        self.marks.limit = mark_window(world_size)
 
     def add_step(self, record: wire.StepRecord) -> None:
         if record.step in self.steps:
@@ -277,7 +287,7 @@ class RunState:
         state = self.ranks.get(rank)
         if state is None:
             state = RankState(rank=rank)
-            state.attach(self.feed, self.names, step_window(max(self.world_size, rank + 1)))
+            state.attach(self.feed, self.names, max(self.world_size, rank + 1))
             self.ranks[rank] = state
         return state
 
@@ -287,12 +297,20 @@ class RunState:
     def all_evidence(self) -> list[RankEvidence]:
         return [ev for s in list(self.ranks.values()) for ev in list(s.evidence.values())]
 
-    def observe_heartbeat(self, state: RankState, hb: wire.Heartbeat, now: float, progressed: bool) -> None:
+    def observe_heartbeat(self, state: RankState, hb: wire.Heartbeat, now: float, progressed: bool) -> bool:
         """Run-level summaries the hang watch reads each tick, updated in O(1)
         per heartbeat (call before the rank's state takes the heartbeat in).
         Progress is dated by the agent, when it happened, then put on the
         collector's clock with the rank's offset: a late heartbeat carrying old
-        progress no longer resets the stall clock."""
+        progress no longer resets the stall clock. Returns True for a stale
+        heartbeat (older than one already taken in: its sequence numbers and
+        phase must not overwrite the newer ones)."""
+        stale = (bool(hb.seq) and hb.seq < state.last_seq and hb.identity.attempt <= state.attempt
+                 and hb.identity.pid == state.pid)  # a new process counts from 1 again
+        if stale:
+            return True
+        if hb.seq:
+            state.last_seq = hb.seq
         sent = hb.sent_at or now
         offset = now - sent
         if state.clock_offset is None or offset < state.clock_offset:
@@ -310,6 +328,7 @@ class RunState:
             # (or a new rank): by the time the heartbeat was built.
             at = hb.last_progress_at if moved and 0 < hb.last_progress_at <= sent else sent
             self.last_progress_seen_at = max(self.last_progress_seen_at, min(now, at + state.clock_offset))
+        return False
 
     def note_duration(self, record: wire.StepRecord) -> None:
         self.durations.append(max(0.0, record.ended_at - record.started_at))

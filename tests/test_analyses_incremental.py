@@ -266,3 +266,37 @@ def test_one_tick_costs_the_same_after_a_long_run():
     run_steps(500, 3000)
     late = run_steps(3500, 300)
     assert late < 2.5 * early + 0.05, (early, late)
+
+
+def test_hang_named_within_timeout_plus_5s_with_late_heartbeats_at_1000_ranks():
+    """1,000 ranks, many heartbeats delivered 8 s late (a collector falling
+    behind): the hang verdict still comes hang-timeout + evidence window after
+    the last progress, never later than hang-timeout + 5 s. (Agents' clocks
+    are put on the collector's by each rank's smallest observed delay: a rank
+    whose every heartbeat is late looks like a rank whose clock is behind.)"""
+    n, timeout = 1000, 10.0
+    c = _collector(hang_timeout=timeout, evidence_window=3.0)
+    last_progress = T0 + 20.0
+    late: list[tuple[float, wire.Heartbeat]] = []
+    verdict_at = None
+    t = T0
+    while t < T0 + 60 and verdict_at is None:
+        for r in range(n):
+            if int(t * 2) % 2:  # one heartbeat a second per rank
+                continue
+            step = int(min(t, last_progress) - T0)
+            hb = heartbeat("big", r, n, step, [], t, last_progress_at=min(t, last_progress))
+            if r % 5 == 0 and int(t) % 3:  # two heartbeats in three of these ranks, 8 s late
+                late.append((t + 8.0, hb))
+            else:
+                c.ingest_heartbeat(hb, t)
+        for due, hb in [x for x in late if x[0] <= t]:
+            late.remove((due, hb))
+            c.ingest_heartbeat(hb, t)
+        c.tick(t)
+        verdicts = [v for v in c.status()["runs"]["big"]["verdicts"] if v["kind"] == "hang"]
+        if verdicts:
+            verdict_at = t
+        t += 0.5
+    assert verdict_at is not None, "no hang verdict"
+    assert verdict_at - last_progress <= timeout + 5.0, verdict_at - last_progress
