@@ -16,12 +16,14 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from rankwatch import wire
-from rankwatch.bundles import Bundle, BundleError, unpack
+from rankwatch.bundles import Bundle, BundleError, repack, unpack
+from rankwatch.redact import redact_obj
 from rankwatch import config as config_mod
 from rankwatch.config import Config
 
 from . import analyses, report as report_mod
 from .evidence import RankEvidence, from_bundle
+from .analyses.common import ranks_text, settle
 from .state import Incident, RunState
 from .store import Store
 
@@ -29,8 +31,9 @@ log = logging.getLogger("rankwatch.collector")
 
 MAX_EVENTS = 10_000  # per rank, newest kept
 ANALYSIS_INTERVAL = 1.0
+FINISHED_KEPT_S = 120.0  # a finished run stays in memory this long, then is served from the index
 ACTIONABLE = ("collective_mismatch", "nonfinite", "grad_spike", "weight_divergence", "straggler", "memory_growth")
-_SAFE_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+_SAFE_ID = wire.ID_PATTERN  # never "." or "..": ids become directory names
 
 
 class RequestError(ValueError):
@@ -55,6 +58,9 @@ class _RunRuntime:
     urgent: bool = False
     analysed_at: float = 0.0
     run_dir: Optional[Path] = None
+    # Every verdict announced live, latest figures: never retracted from the report.
+    announced: dict[tuple[str, str], wire.Verdict] = field(default_factory=dict)
+    failed: set = field(default_factory=set)  # what already failed for this run (logged once)
 
 
 class Collector:
@@ -68,6 +74,9 @@ class Collector:
         self._lock = threading.RLock()
         index = (self.data_dir / "collector.sqlite") if self.data_dir else None
         self.store = Store(index)
+        self._finished_seen: dict[str, float] = {}  # run -> when it was first seen finished
+        self._evict_checked = 0.0
+        self._reload()
         self.metrics = None  # set by metrics.CollectorMetrics when exported
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -97,10 +106,14 @@ class Collector:
 
     def _loop(self, tick: float) -> None:
         while not self._stop.wait(tick):
+            started = time.perf_counter()
             try:
                 self.tick(time.time())
             except Exception:
                 log.exception("collector tick failed")
+            # How long a tick takes (bench/collector_load.py reads it from /v1/status).
+            self.tick_seconds = time.perf_counter() - started
+            self.tick_seconds_max = max(getattr(self, "tick_seconds_max", 0.0), self.tick_seconds)
 
     def run_dir(self, run_id: str) -> Path:
         rt = self._runtime(run_id)
@@ -123,6 +136,8 @@ class Collector:
         if not _SAFE_ID.match(run_id):
             raise RequestError(f"invalid run id {run_id!r}")
         run = self.runs.get(run_id)
+        if run is None and self.store.has_run(run_id):
+            run = self._restore(run_id)  # a run that left memory (finished) or a restart
         if run is None:
             run = self.runs[run_id] = RunState(run_id=run_id, world_size=world_size,
                                                hang_timeout=self.config.hang_timeout, on_hang=self.config.on_hang)
@@ -131,10 +146,50 @@ class Collector:
             run.world_size = world_size
         return run
 
+    # -- restart and retention ----------------------------------------------------------
+    def _reload(self) -> None:
+        """Restart without loss: the runs the index knows as unfinished come
+        back (ranks, recent steps, incidents, verdicts already issued)."""
+        for run_id in self.store.unfinished_run_ids():
+            try:
+                self._restore(run_id)
+            except Exception:
+                log.exception("run %s could not be reloaded from the index", run_id)
+        if self.runs:
+            log.info("reloaded %d unfinished run(s) from the index: %s", len(self.runs), ", ".join(self.runs))
+
+    def _restore(self, run_id: str) -> Optional[RunState]:
+        run = self.store.load_run(run_id)
+        if run is None:
+            return None
+        self.runs[run_id] = run
+        rt = self._runtime(run_id)
+        rt.verdicts = self.store.verdicts(run_id)
+        for v in rt.verdicts:
+            rt.first_detected.setdefault((v.kind, ",".join(map(str, v.ranks))), v.detected_at)
+            rt.dumped_kinds.add(v.kind)  # acted on before the restart
+        return run
+
+    def _evict_finished(self, now: float) -> None:
+        """Finished runs leave memory (kept in the index, served from it)."""
+        if now - self._evict_checked < 10.0 or self.store.path is None or self.store.degraded:
+            return
+        self._evict_checked = now
+        for run_id, run in list(self.runs.items()):
+            if not run.finished:
+                continue
+            seen = self._finished_seen.setdefault(run_id, now)
+            if now - seen >= FINISHED_KEPT_S:
+                del self.runs[run_id]
+                self._rt.pop(run_id, None)
+                self._finished_seen.pop(run_id, None)
+
     # -- ingest ------------------------------------------------------------------------
     def ingest_heartbeat(self, hb: wire.Heartbeat, now: Optional[float] = None) -> wire.Reply:
         now = now or time.time()
         ident = hb.identity
+        _expand_step_rows(hb)  # validated before any state changes
+        _redact_events(hb)  # defence in depth: the agent redacted them already
         with self._lock:
             run = self._run(ident.run_id, ident.world_size)
             if not 0 <= ident.rank < max(run.world_size, ident.rank + 1):
@@ -148,16 +203,19 @@ class Collector:
                 or hb.phase != state.phase
                 or any(v > state.enqueued.get(pg, -1) for pg, v in hb.collectives_enqueued.items())
             )
+            stale = run.observe_heartbeat(state, hb, now, progressed)  # stall clock: the agents' progress times
             if ident.attempt > state.attempt:  # torchrun restarted the workers: a fresh rank
                 state.exit_code, state.exited_at, state.killed_by_rankwatch = None, None, False
             state.local_rank, state.node_rank, state.host = ident.local_rank, ident.node_rank, ident.host
             state.pid, state.world_size, state.attempt = ident.pid, ident.world_size, ident.attempt
             state.step, state.forwards = max(state.step, hb.step), max(state.forwards, hb.forwards)
-            state.phase, state.phase_since = hb.phase, hb.phase_since
+            if not stale:  # a late, older heartbeat does not take the newer phase and sequence numbers back
+                state.phase, state.phase_since = hb.phase, hb.phase_since
             state.last_progress_at = max(state.last_progress_at, hb.last_progress_at)
             state.last_heartbeat_at = now
-            state.enqueued.update(hb.collectives_enqueued)
-            state.completed.update(hb.collectives_completed)
+            if not stale:
+                state.enqueued.update(hb.collectives_enqueued)
+                state.completed.update(hb.collectives_completed)
             for record in hb.steps:
                 state.add_step(record)
             for mark in hb.marks:
@@ -167,23 +225,21 @@ class Collector:
                     # Read a step late on a GPU (no sync): fill the step's record.
                     record = state.steps.get(event.step)
                     for name in ("grad_norm", "loss"):
-                        value = event.details.get(name)
-                        if record is not None and isinstance(value, (int, float)) and getattr(record, name) is None:
-                            setattr(record, name, float(value))
+                        value = wire.number(event.details.get(name))  # non-finite values travel as strings
+                        if record is not None and value is not None and getattr(record, name) is None:
+                            setattr(record, name, value)
                     continue
                 state.events.append(event)
                 if event.kind == "exit" and state.exit_code is None:
                     code = event.details.get("exit_code")
                     if isinstance(code, int):
                         state.exit_code, state.exited_at = code, event.at
-            del state.events[:-MAX_EVENTS]
             if hb.host_memory:
                 state.host_memory = dict(hb.host_memory)
-            state.fingerprints.extend(hb.fingerprints)
-            del state.fingerprints[:-256]
-            if progressed and hb.phase != "exited":
-                run.last_progress_seen_at = now
-            self.store.save_heartbeat_data(run.run_id, ident.rank, hb)
+            fingerprints = _with_names(hb.fingerprints, state.fingerprints) if hb.fingerprints else []
+            state.fingerprints.extend(fingerprints)
+            # Queued: written off the request path.
+            self.store.save_heartbeat_data(run.run_id, ident.rank, hb, fingerprints=fingerprints)
             self.store.save_rank(run.run_id, state)
             commands = self._runtime(run.run_id).agent_commands.pop(ident.rank, [])
             if hb.steps or hb.events or hb.marks or hb.fingerprints:
@@ -195,6 +251,7 @@ class Collector:
     def ingest_node(self, node: wire.NodeHeartbeat, now: Optional[float] = None) -> wire.Reply:
         now = now or time.time()
         with self._lock:
+            self._evict_finished(now)
             run = self._run(node.run_id, node.world_size)
             key = f"{node.host}#{node.launcher_pid or node.node_rank}"
             run.nodes[key] = node
@@ -222,24 +279,68 @@ class Collector:
             self.store.save_run(run)
         return wire.Reply(commands=commands)
 
-    def ingest_bundle(self, data: bytes, run_hint: str = "", now: Optional[float] = None) -> dict[str, Any]:
+    def ingest_node_report(self, report: wire.NodeReport, now: Optional[float] = None) -> wire.NodeReply:
+        """One node's batch (from its relay): the supervisor's view and its
+        ranks' heartbeats. A bad heartbeat is dropped alone (the others and
+        the node's view still count)."""
+        now = now or time.time()
+        good = []
+        for hb in report.heartbeats:
+            try:
+                _expand_step_rows(hb)
+                good.append(hb)
+            except wire.WireError as exc:
+                self.heartbeats_rejected = getattr(self, "heartbeats_rejected", 0) + 1
+                log.debug("node report: heartbeat dropped: %s", exc)
+        ranks: dict[str, list[wire.Command]] = {}
+        with self._lock:
+            commands = self.ingest_node(report.node, now).commands if report.node is not None else []
+            for hb in good:
+                try:
+                    reply = self.ingest_heartbeat(hb, now)
+                except RequestError as exc:
+                    self.heartbeats_rejected = getattr(self, "heartbeats_rejected", 0) + 1
+                    log.debug("node report: heartbeat of rank %s dropped: %s", hb.identity.rank, exc)
+                    continue
+                if reply.commands:
+                    ranks[str(hb.identity.rank)] = reply.commands
+            world = max([report.node.world_size if report.node else 0] + [hb.identity.world_size for hb in good])
+        return wire.NodeReply(commands=commands, ranks=ranks, interval=node_report_interval(world))
+
+    def ingest_bundle(self, data: bytes, run_hint: str = "", now: Optional[float] = None,
+                      rank_hint: str = "") -> dict[str, Any]:
         try:
-            return self._ingest_bundle(data, run_hint, now or time.time())
+            return self._ingest_bundle(data, run_hint, now or time.time(), rank_hint)
         except RequestError:
             self.bundles_rejected += 1
             raise
 
-    def _ingest_bundle(self, data: bytes, run_hint: str, now: float) -> dict[str, Any]:
+    def _ingest_bundle(self, data: bytes, run_hint: str, now: float, rank_hint: str = "") -> dict[str, Any]:
+        # Validated whole before anything changes or is written: the archive
+        # (bounded read, typed members), its evidence, its place in the run;
+        # what is stored is the validated, redacted re-pack, not the bytes sent.
         try:
-            bundle = unpack(data)
-        except BundleError as exc:
+            bundle = unpack(data, keep_opaque=True)
+            from_bundle(bundle)
+            data = repack(bundle)
+        except (BundleError, wire.WireError) as exc:
             raise RequestError(f"bundle rejected: {exc}") from None
+        except Exception as exc:
+            log.warning("bundle rejected: evidence unreadable: %s: %s", type(exc).__name__, exc)
+            raise RequestError(f"bundle rejected: evidence unreadable ({type(exc).__name__})") from None
+        bundle.opaque_data = {}
         if run_hint and bundle.manifest.run_id != run_hint:
             raise RequestError("bundle's run id does not match the request's")
+        if rank_hint and rank_hint != str(bundle.manifest.rank):
+            raise RequestError("bundle's rank does not match the sender's (X-Rankwatch-Rank)")
         if not _SAFE_ID.match(bundle.manifest.incident or "x"):
             raise RequestError(f"invalid incident id {bundle.manifest.incident!r}")
         with self._lock:
-            run = self._run(bundle.manifest.run_id, bundle.manifest.world_size)
+            known = self.runs.get(bundle.manifest.run_id)
+            if known is not None and known.world_size and bundle.manifest.rank >= known.world_size:
+                raise RequestError(f"bundle of rank {bundle.manifest.rank} outside the run's world size "
+                                   f"{known.world_size}")
+            run = self._run(bundle.manifest.run_id, 0 if known is not None else bundle.manifest.world_size)
             path = self._save_bundle_file(run.run_id, bundle, data)
             bundle.source_path = str(path)
             merge_bundle(run, bundle)
@@ -257,24 +358,59 @@ class Collector:
         path = folder / name
         if path.resolve().parent != folder.resolve():
             raise RequestError("bundle path escapes the run dir")
-        path.write_bytes(data)
+        if path.exists():
+            # Never overwrite: the first bundle of a rank and incident stays
+            # (a re-sent spool finds it there and is done).
+            return path
+        tmp = path.with_name(path.name + ".part")
+        try:
+            tmp.write_bytes(data)
+            tmp.replace(path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise RequestError(f"bundle not stored: {exc.strerror or exc}", 507) from None
         return path
 
     # -- live monitoring -----------------------------------------------------------------
     def tick(self, now: float) -> None:
+        """Hang watch and analyses of every run, each isolated from the others:
+        one run's failure is logged once and never stops another's watch."""
         with self._lock:
-            for run in list(self.runs.values()):
-                rt = self._runtime(run.run_id)
-                if not run.finished:
-                    self._watch_for_hang(run, now)
-                    self._close_incidents(run, now)
-                # The analyses read everything: run them when something new
-                # arrived, at most once a second (incidents always).
-                if rt.dirty and (now - rt.analysed_at >= ANALYSIS_INTERVAL or rt.urgent):
-                    rt.dirty = rt.urgent = False
-                    rt.analysed_at = now
-                    self._analyse(run, now, final=False)
+            runs = [(run, self._runtime(run.run_id)) for run in self.runs.values()]
+        for run, rt in runs:
+            try:
+                self._tick_run(run, rt, now)
+            except Exception:
+                self._failed_once(run, rt, "tick")
+        with self._lock:
             self.store.commit()
+
+    def _tick_run(self, run: RunState, rt: _RunRuntime, now: float) -> None:
+        with self._lock:
+            if not run.finished:
+                self._watch_for_hang(run, now)
+                self._close_incidents(run, now)
+            # Analyses when something new arrived, at most once a second (incidents at once).
+            due = rt.dirty and (now - rt.analysed_at >= ANALYSIS_INTERVAL or rt.urgent)
+            if due:
+                rt.dirty = rt.urgent = False
+                rt.analysed_at = now
+        if not due:
+            return
+        # The running summaries take in what arrived, outside the ingest lock
+        # (the heavy part: O(records) + O(ranks) per sealed step)...
+        try:
+            settle(run)
+        except Exception:
+            self._failed_once(run, rt, "analysis")
+        # ... then each analysis reads its summary: cheap, under the lock.
+        with self._lock:
+            self._analyse(run, now, final=False)
+
+    def _failed_once(self, run: RunState, rt: _RunRuntime, what: str) -> None:
+        if what not in rt.failed:
+            rt.failed.add(what)
+            log.exception("run %s: %s failed (logged once; the other runs are not affected)", run.run_id, what)
 
     def _touch(self, run_id: str, urgent: bool = False) -> None:
         rt = self._runtime(run_id)
@@ -285,16 +421,17 @@ class Collector:
         return sorted(r for r, s in run.ranks.items() if s.exit_code is None)
 
     def _watch_for_hang(self, run: RunState, now: float) -> None:
+        """O(1) per tick until a stall: every figure here is a running summary
+        kept on ingest. The stall clock is the latest progress the agents
+        report (their own times, on the collector's clock), so heartbeats
+        queued behind a slow collector do not push the incident back."""
         if not run.ranks or run.aborted:
-            return
-        live = self._live_ranks(run)
-        if not live:
             return
         cfg = self.config
         timeout = run.adaptive_timeout(cfg.startup_timeout, cfg.adaptive_floor, cfg.adaptive_multiplier)
-        if run.hang_timeout is None and any(s.phase == "checkpoint" for s in run.ranks.values()):
+        if run.hang_timeout is None and run.checkpointing:
             timeout = max(timeout, cfg.checkpoint_timeout)  # phase-aware: a checkpoint write takes long
-        reported = sum(1 for s in run.ranks.values() if s.last_heartbeat_at)
+        reported = run.ranks_reported
         if reported == 0 or reported < run.world_size:
             # Start-up: workers still import torch and join the rendezvous (slow
             # on a loaded node). Even a fixed --hang-timeout waits this long for
@@ -305,11 +442,11 @@ class Collector:
             return
         if any(i.kind == "hang" and i.opened_at >= run.last_progress_seen_at for i in run.incidents):
             return  # already diagnosing this stall
-        last_progress = max((s.last_progress_at for s in run.ranks.values() if s.last_progress_at),
-                            default=run.last_progress_seen_at)
+        live = self._live_ranks(run)
+        if not live:
+            return
         incident = Incident(id=f"hang-{len(run.incidents) + 1}", kind="hang", opened_at=now,
-                            last_progress_at=min(last_progress, run.last_progress_seen_at) if last_progress else
-                            run.last_progress_seen_at, timeout=timeout, requested_ranks=live,
+                            last_progress_at=run.last_progress_seen_at, timeout=timeout, requested_ranks=live,
                             deadline=now + cfg.evidence_window)
         self._open_incident(run, incident, "hang")
 
@@ -377,15 +514,21 @@ class Collector:
 
     def _analyse(self, run: RunState, now: float, final: bool) -> list[wire.Verdict]:
         rt = self._runtime(run.run_id)
+        if not rt.announced and rt.verdicts:  # restored from the index
+            rt.announced = {_key(v): v for v in rt.verdicts}
         ignored = config_mod.ignored_kinds(self.config)
-        found = [v for v in analyses.run_all(run, now, final) if v.kind not in ignored]
+        try:
+            found = [v for v in analyses.run_all(run, now, final) if v.kind not in ignored]
+        except Exception:
+            self._failed_once(run, rt, "analysis")
+            found = []
         for v in found:
-            key = (v.kind, ",".join(map(str, v.ranks)))
+            key = _key(v)
             if key not in rt.first_detected:
                 rt.first_detected[key] = v.detected_at
                 # One line as it happens; the full summary is printed once, in the final report.
-                log.warning("run %s: %s on rank(s) %s at step %s (details in the report)",
-                            run.run_id, v.kind, ",".join(map(str, v.ranks)), v.step)
+                log.warning("run %s: %s on %s at step %s (details in the report)",
+                            run.run_id, v.kind, ranks_text(v.ranks), v.step)
                 for callback in self.on_verdict:
                     try:
                         callback(run.run_id, v)
@@ -394,9 +537,10 @@ class Collector:
                 if not run.finished:
                     self._act_on(run, v, now)
             v.detected_at = rt.first_detected[key]
+            rt.announced[key] = v
             self.store.save_verdict(run.run_id, v)
-        rt.verdicts = found
-        return found
+        rt.verdicts = found + _still_announced(rt.announced, found)
+        return rt.verdicts
 
     # -- end of a run ------------------------------------------------------------------------
     def finish(self, run_id: str, interrupted: bool = False,
@@ -426,6 +570,8 @@ class Collector:
     def report(self, run_id: str) -> wire.Report:
         with self._lock:
             run = self.runs.get(run_id)
+            if run is None and _SAFE_ID.match(run_id) and self.store.has_run(run_id):
+                run = self._restore(run_id)  # finished and out of memory: from the index
             if run is None:
                 raise RequestError(f"unknown run {run_id!r}", 404)
             return report_mod.build(run, self._runtime(run_id).verdicts)
@@ -446,7 +592,68 @@ class Collector:
                 },
                 "bundles_received": self.bundles_received,
                 "bundles_rejected": self.bundles_rejected,
+                "heartbeats_rejected": getattr(self, "heartbeats_rejected", 0),
+                "tick_seconds": getattr(self, "tick_seconds", None),
+                "tick_seconds_max": getattr(self, "tick_seconds_max", None),
+                "index_degraded": self.store.degraded,
             }
+
+
+def _redact_events(hb: wire.Heartbeat) -> None:
+    for event in hb.events:
+        if event.kind != "step_values" and event.details:
+            event.details = redact_obj(event.details)
+
+
+def _key(v: wire.Verdict) -> tuple[str, str]:
+    return (v.kind, ",".join(map(str, v.ranks)))
+
+
+def _still_announced(announced: dict[tuple[str, str], wire.Verdict], found: list[wire.Verdict]) -> list[wire.Verdict]:
+    """Verdicts announced earlier that the latest pass no longer reports (a leak
+    that plateaued, evidence that aged out of a window): kept, with their last
+    figures, unless a reported verdict now lists them as its consequence."""
+    covered = {_key(v) for v in found}
+    for v in found:
+        for c in v.evidence.get("consequences") or []:
+            if isinstance(c, dict):
+                covered.add((str(c.get("kind")), ",".join(map(str, c.get("ranks") or []))))
+    kept = [v for key, v in announced.items() if key not in covered]
+    return sorted(kept, key=lambda v: v.first_seen_at)
+
+
+def node_report_interval(world_size: int) -> Optional[float]:
+    """The node relays' cadence the collector asks for: every second up to
+    10,000 ranks, every 5 s beyond (1/5 of the requests). Progress is dated by
+    the agents (RunState.observe_heartbeat), so a slower cadence delays what
+    the collector sees, not when it calls a hang (timeouts are longer)."""
+    return 5.0 if world_size > 10_000 else None
+
+
+def _expand_step_rows(hb: wire.Heartbeat) -> None:
+    """Compact step rows become StepRecords (validated field by field)."""
+    if hb.step_rows:
+        hb.steps = wire.step_records(hb)
+        hb.step_rows = []
+
+
+def _with_names(fingerprints: list[dict[str, Any]], known) -> list[dict[str, Any]]:
+    """Agents send a fingerprint's parameter names only when they change: the
+    others take the rank's last names (none known yet: the print is dropped)."""
+    last = None
+    for fp in known:
+        last = fp.get("names", last)
+    out = []
+    for fp in fingerprints:
+        names = fp.get("names")
+        if isinstance(names, (list, tuple)):
+            last = names
+        elif last is not None:
+            fp = {**fp, "names": last}
+        else:
+            continue
+        out.append(fp)
+    return out
 
 
 def merge_bundle(run: RunState, bundle: Bundle) -> None:
@@ -487,6 +694,8 @@ def merge_bundle(run: RunState, bundle: Bundle) -> None:
         phase = ev.progress.get("phase") if ev.source == "supervisor" else None
         if isinstance(phase, str) and phase:
             state.phase = phase
+    # Now in the rank's state: the evidence keeps no second copy (memory at scale).
+    ev.steps, ev.marks, ev.events = [], [], []
 
 
 def merge_evidence(a: RankEvidence, b: RankEvidence) -> RankEvidence:
