@@ -8,8 +8,8 @@ steps are skipped: allocators and DataLoader workers grow then settle.
 
 from __future__ import annotations
 
-import collections
 import statistics
+from array import array
 from typing import Optional
 
 from rankwatch import wire
@@ -30,32 +30,52 @@ PEER_SAMPLE = 64  # peers' slopes: every peer up to this many, an even sample be
 
 
 class Series:
-    """One rank's last WINDOW (step, value, time) points of one memory field,
-    with a running count of the steps that grew."""
+    """One rank's last WINDOW (step, value, time) points of one memory field
+    (flat arrays: ~1.5 KiB a rank at any run length), with a running count of
+    the steps that grew."""
 
-    __slots__ = ("points", "ups")
+    __slots__ = ("_steps", "_values", "_times", "_head", "_count", "ups")
 
     def __init__(self) -> None:
-        self.points: collections.deque[tuple[int, float, float]] = collections.deque(maxlen=WINDOW)
+        self._steps = array("q", bytes(8 * WINDOW))
+        self._values = array("d", bytes(8 * WINDOW))
+        self._times = array("d", bytes(8 * WINDOW))
+        self._head = 0  # index of the oldest point
+        self._count = 0
         self.ups = 0
 
+    def _at(self, i: int) -> int:
+        return (self._head + i) % WINDOW
+
     def add(self, step: int, value: float, at: float) -> None:
-        points = self.points
-        if len(points) == WINDOW:
-            first, second = points[0], points[1]
-            self.ups -= second[1] > first[1]
-        if points:
-            self.ups += value > points[-1][1]
-        points.append((step, value, at))
+        if self._count == WINDOW:
+            first, second = self._values[self._head], self._values[self._at(1)]
+            self.ups -= second > first
+        if self._count:
+            self.ups += value > self._values[self._at(self._count - 1)]
+        if self._count == WINDOW:
+            slot = self._head
+            self._head = (self._head + 1) % WINDOW
+        else:
+            slot = self._at(self._count)
+            self._count += 1
+        self._steps[slot], self._values[slot], self._times[slot] = step, value, at
+
+    @property
+    def points(self) -> list[tuple[int, float, float]]:
+        return [(self._steps[j], self._values[j], self._times[j]) for j in map(self._at, range(self._count))]
+
+    def __len__(self) -> int:
+        return self._count
 
     def candidate(self) -> bool:
         """Cheap necessary conditions before the Theil-Sen slope: enough
         points, growing on most steps, and overall."""
-        n = len(self.points)
+        n = self._count
         if n < MIN_STEPS or self.ups < STEADY * (n - 1):
             return False
-        first, last = self.points[0], self.points[-1]
-        return last[1] - first[1] >= MIN_SLOPE / 4 * max(1, last[0] - first[0])
+        first, last = self._head, self._at(n - 1)
+        return self._values[last] - self._values[first] >= MIN_SLOPE / 4 * max(1, self._steps[last] - self._steps[first])
 
 
 def theil_sen(points: list[tuple[int, float]]) -> float:
@@ -71,7 +91,7 @@ def theil_sen(points: list[tuple[int, float]]) -> float:
 
 
 def _growth(series: Series) -> Optional[dict]:
-    points = list(series.points)
+    points = series.points
     if len(points) < MIN_STEPS:
         return None
     slope = theil_sen([(s, v) for s, v, _ in points])
@@ -115,7 +135,7 @@ class Tracker:
         candidates = [r for r, s in per_rank.items() if s.candidate()]
         if not candidates:
             return
-        eligible = sorted(r for r, s in per_rank.items() if len(s.points) >= MIN_STEPS)
+        eligible = sorted(r for r, s in per_rank.items() if len(s) >= MIN_STEPS)
         sample = eligible if len(eligible) <= PEER_SAMPLE + 1 else eligible[:: len(eligible) // PEER_SAMPLE]
         slopes: dict[int, dict] = {}
 

@@ -76,8 +76,8 @@ class Tracker:
             return
         if self.finding is None:
             self._evaluate(run)
-        # Scores of every rank (a metric): each step on small jobs, once a window on big ones.
-        if len(times) <= 1024 or step - self.scored_step >= WINDOW:
+        # Scores of every rank (a metric, read by /metrics from another thread): once a window.
+        if step - self.scored_step >= WINDOW:
             self.scores = {r: self._score(r) for r in times}
             self.scored_step = step
 

@@ -3,7 +3,8 @@
 Compares the per-tensor fingerprints that every rank sends out of band for
 the same step. The culprits are the ranks that differ from the majority;
 with no majority (two ranks), the ranks that differ from rank 0, whose
-weights DDP itself broadcasts as the reference.
+weights DDP itself broadcasts as the reference. Parameters only: buffers
+(BatchNorm running statistics) differ legitimately between DDP's broadcasts.
 """
 
 from __future__ import annotations
