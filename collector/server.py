@@ -43,6 +43,7 @@ from typing import Any, Callable, Optional
 
 from rankwatch import wire
 
+from . import codec
 from .service import Collector, RequestError
 
 log = logging.getLogger("rankwatch.collector")
@@ -61,6 +62,20 @@ def _json(status: int, payload: Any, headers: Optional[dict[str, str]] = None) -
     body = payload if isinstance(payload, bytes) else wire.json_text(payload, compact=True).encode() \
         if hasattr(wire, "json_text") else json.dumps(payload, default=str).encode()
     return status, body, "application/json", headers or {}
+
+
+_EMPTY_REPLY = {"commands": [], "version": wire.WIRE_VERSION}
+
+
+def _reply_dict(reply: Any) -> dict[str, Any]:
+    """Most replies carry no command: no dataclasses.asdict for those."""
+    if not reply.commands and not getattr(reply, "ranks", None):
+        out = dict(_EMPTY_REPLY)
+        interval = getattr(reply, "interval", None)
+        if interval is not None:
+            out["interval"] = interval
+        return out
+    return wire.to_dict(reply)
 
 
 class Routes:
@@ -144,11 +159,11 @@ class Routes:
     def _post(self, path: str, body: bytes, header: Callable[[str], Optional[str]]) -> Response:
         collector = self.collector
         if path == "/v1/heartbeat":
-            hb = wire.loads(wire.Heartbeat, body)
-            return _json(200, wire.to_dict(collector.ingest_heartbeat(hb)))
+            hb = codec.loads_heartbeat(body)
+            return _json(200, _reply_dict(collector.ingest_heartbeat(hb)))
         if path == "/v1/node-report":
-            report = wire.loads(wire.NodeReport, body, limit=MAX_NODE_REPORT_BYTES)
-            return _json(200, wire.to_dict(collector.ingest_node_report(report)))
+            report = codec.loads_node_report(body, limit=MAX_NODE_REPORT_BYTES)
+            return _json(200, _reply_dict(collector.ingest_node_report(report)))
         if path == "/v1/nodes":
             node = wire.loads(wire.NodeHeartbeat, body)
             return _json(200, wire.to_dict(collector.ingest_node(node)))
@@ -356,6 +371,7 @@ class AsyncCollectorServer:
         return f"http://{self.host}:{self.port}"
 
     def start(self) -> "AsyncCollectorServer":
+        _raise_fd_limit(self.max_connections + 256)
         self._thread = threading.Thread(target=self._run, name="rankwatch-http", daemon=True)
         self._thread.start()
         self._ready.wait(30)
@@ -489,6 +505,20 @@ class AsyncCollectorServer:
             if protocol.transport is not None:
                 protocol.transport.close()
         await self._web_server.shutdown(2.0)
+
+
+def _raise_fd_limit(wanted: int) -> None:
+    """One descriptor per kept-alive connection: the soft limit (often 1024)
+    goes up to what the connection cap needs, within the hard limit."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        if soft != resource.RLIM_INFINITY and soft < target:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ImportError, ValueError, OSError):
+        pass
 
 
 def _aio_response(web, result: Response):

@@ -37,6 +37,8 @@ log = logging.getLogger("rankwatch.collector")
 
 FLUSH_INTERVAL = 1.0
 PRUNE_INTERVAL = 60.0
+BULK_INTERVAL = 10.0  # ranks' rows and step records
+SAMPLED_ABOVE = 10_000  # ranks: beyond, the index keeps a sample of the steps
 RETAINED_STEPS = 2048  # step records kept in the index per rank (memory keeps fewer)
 MAX_PENDING_PER_RANK = RETAINED_STEPS  # records waiting for the writer, per rank and kind
 
@@ -101,6 +103,8 @@ class Store:
         self._pending_lock = threading.Lock()  # the queues below
         self._sql: list[tuple[str, tuple]] = []
         self._ranks: dict[tuple[str, int], RankState] = {}
+        self._verdicts: dict[tuple[str, str, str], wire.Verdict] = {}
+        self._bulk_wanted = False
         self._batches: dict[tuple[str, int], _Pending] = {}
         self._max_step: dict[str, int] = {}
         self._flush_interval = flush_interval
@@ -118,6 +122,10 @@ class Store:
         if readonly:
             if path is None:
                 raise ValueError("a read-only store needs a path")
+            if not Path(f"{path}-wal").exists():
+                # Closed cleanly (no write-ahead log): read the file as it is,
+                # creating nothing next to it (no -wal, no -shm).
+                return sqlite3.connect(f"file:{quote(str(path))}?immutable=1", uri=True, check_same_thread=False)
             try:
                 db = sqlite3.connect(f"file:{quote(str(path))}?mode=ro", uri=True, check_same_thread=False)
                 db.execute("SELECT count(*) FROM sqlite_master").fetchone()
@@ -153,12 +161,19 @@ class Store:
             self._thread.start()
 
     def _writer(self) -> None:
+        bulk_at = time.monotonic()
         while True:
             self._wake.wait(self._flush_interval)
             self._wake.clear()
             stopping = self._stop
+            # Ranks' rows and step records every BULK_INTERVAL (or when asked):
+            # one row per rank per interval however many beats it sent.
+            bulk = stopping or self._bulk_wanted or time.monotonic() - bulk_at >= BULK_INTERVAL
+            if bulk:
+                bulk_at = time.monotonic()
+                self._bulk_wanted = False
             try:
-                self._flush_once()
+                self._flush_once(bulk)
             except Exception:  # the writer must survive anything
                 log.exception("index writer failed")
             with self._flushed:
@@ -167,12 +182,18 @@ class Store:
             if stopping:
                 return
 
-    def _flush_once(self) -> None:
+    def _flush_once(self, bulk: bool = True) -> None:
         with self._pending_lock:
             self._started += 1
             sql, self._sql = self._sql, []
-            ranks, self._ranks = self._ranks, {}
-            batches, self._batches = self._batches, {}
+            verdicts, self._verdicts = self._verdicts, {}
+            ranks, batches = {}, {}
+            if bulk:
+                ranks, self._ranks = self._ranks, {}
+                batches, self._batches = self._batches, {}
+        for (run_id, _, _), v in verdicts.items():
+            sql.append(("INSERT OR REPLACE INTO verdicts VALUES (?,?,?,?,?)",
+                        (run_id, v.kind, _dumps(v.ranks), v.detected_at, _dumps(wire.to_dict(v)))))
         if self.degraded:
             return  # said once; what is in memory stays the truth
         rank_rows = []
@@ -244,6 +265,7 @@ class Store:
             return
         with self._pending_lock:
             target = self._started + 1  # the first flush that begins after this call
+            self._bulk_wanted = True
         with self._flushed:
             self._wake.set()
             self._flushed.wait_for(lambda: self._generation >= target or not self._thread.is_alive(), timeout)
@@ -296,14 +318,22 @@ class Store:
             return
         steps = hb.steps if steps is None else steps
         fingerprints = hb.fingerprints if fingerprints is None else fingerprints
+        world = hb.identity.world_size
+        if steps and world > SAMPLED_ABOVE:
+            # Past 10,000 ranks the index keeps every 2^k-th step of each rank
+            # (the same steps on every rank), ~10,000 ranks' worth of records:
+            # enough to rebuild the analyses offline, cheap to write.
+            stride = 1 << max(0, (world - 1) // SAMPLED_ABOVE).bit_length()
+            steps = [r for r in steps if r.step % stride == 0]
         if steps or hb.marks or fingerprints:
+            bound = max(16, min(MAX_PENDING_PER_RANK, 2_000_000 // max(1, world)))
             with self._pending_lock:
                 pending = self._batches.get((run_id, rank))
                 if pending is None:
                     pending = self._batches[(run_id, rank)] = _Pending()
                 if steps:
                     pending.steps.extend(steps)
-                    del pending.steps[:-MAX_PENDING_PER_RANK]
+                    del pending.steps[:-bound]
                 if hb.marks:
                     pending.marks.extend(hb.marks)
                     del pending.marks[:-MAX_PENDING_PER_RANK]
@@ -330,8 +360,13 @@ class Store:
                     manifest.created_at, received_at))
 
     def save_verdict(self, run_id: str, v: wire.Verdict) -> None:
-        self._exec("INSERT OR REPLACE INTO verdicts VALUES (?,?,?,?,?)",
-                   (run_id, v.kind, _dumps(v.ranks), v.detected_at, _dumps(wire.to_dict(v))))
+        """The latest figures of a verdict go out with the next flush (the
+        analyses re-issue it every pass: encoded once per flush, not per pass)."""
+        if self.readonly:
+            return
+        with self._pending_lock:
+            self._verdicts[(run_id, v.kind, ",".join(map(str, v.ranks)))] = v
+        self._ensure_writer()
 
     # -- reads ----------------------------------------------------------------------
     def _rows(self, sql: str, args: tuple = ()) -> list[tuple]:

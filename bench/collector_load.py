@@ -1,0 +1,453 @@
+"""Load on a real standalone collector: how many ranks one process watches.
+
+    python bench/collector_load.py --ranks 1000,10000,100000
+    python bench/collector_load.py --ranks 64 --mode direct      # every rank posts its own heartbeat
+
+Per N, a fresh `rankwatch collector serve` is started as a subprocess and fed
+real wire-format messages over HTTP by simulated nodes (8 ranks each):
+
+- relay mode (default): what `rankwatch run --collector URL` sends, one
+  NodeReport per node per interval (the collector's NodeReply.interval: 1 s up
+  to 10,000 ranks, 5 s beyond), each carrying the node's view and its 8 ranks'
+  heartbeats with their new step records (compact rows), collective counters
+  and host memory;
+- direct mode: one Heartbeat per rank per second (agents without a relay).
+
+Every rank takes one optimizer step per --step-time seconds, in lock-step (a
+DDP job). Before measuring, each rank sends a long history of step records
+(--history, bounded to 2M records per run). Then --measure seconds of steady
+load, then one rank freezes: the others enter the next collective and wait
+(their sequence number moves one ahead), nobody progresses, every node keeps
+reporting. The bench polls /v1/status until a hang verdict names the frozen
+rank.
+
+Printed per N: offered and accepted request rates (and heartbeats per second),
+p50/p99 request latency seen by the clients, errors, the collector's CPU (from
+/proc, share of one core over the measured window) and RSS (current and peak),
+the collector's tick time, and the time from the last progress to the hang
+verdict (deadline: hang timeout + 5 s).
+
+The load generator is one asyncio process on kept-alive connections with
+pre-encoded bodies (identities encoded once per rank; the per-tick part once
+per tick, shared by every node, as every rank of a DDP job is at the same
+step). Its own CPU is printed too: on a 2-core machine it shares the machine
+with the collector, and what it can offer is said in the output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Optional
+
+from rankwatch import wire
+
+TOKEN = "bench-token"
+RUN_ID = "bench"
+RANKS_PER_NODE = 8
+COLUMNS = json.dumps(list(wire.STEP_COLUMNS), separators=(",", ":"))
+
+
+# ---------------------------------------------------------------------------------------
+# The collector under test
+# ---------------------------------------------------------------------------------------
+
+
+class CollectorProcess:
+    def __init__(self, data_dir: Path, hang_timeout: float, server: str):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "rankwatch.cli", "collector", "serve", "--port", str(self.port),
+               "--data-dir", str(data_dir), "--token", TOKEN, "--hang-timeout", str(hang_timeout),
+               "--on-hang", "wait", "--server", server]
+        self.log = open(data_dir.parent / "collector.log", "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                with urllib.request.urlopen(self.url + "/healthz", timeout=1):
+                    return
+            except OSError:
+                if self.proc.poll() is not None:
+                    raise RuntimeError("collector exited at start")
+                time.sleep(0.1)
+        raise RuntimeError("collector did not start")
+
+    def cpu_seconds(self) -> float:
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def rss_mib(self) -> tuple[float, float]:
+        rss = peak = 0.0
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    rss = int(line.split()[1]) / 1024
+                elif line.startswith("VmHWM:"):
+                    peak = int(line.split()[1]) / 1024
+        return rss, peak
+
+    def status(self) -> dict[str, Any]:
+        request = urllib.request.Request(self.url + "/v1/status", headers={"Authorization": f"Bearer {TOKEN}"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return json.loads(response.read())
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+# ---------------------------------------------------------------------------------------
+# The simulated job
+# ---------------------------------------------------------------------------------------
+
+
+class Job:
+    """Every rank at the same step (a DDP job); encodes the shared parts."""
+
+    def __init__(self, ranks: int, step_time: float, first_step: int, culprit: int):
+        self.ranks = ranks
+        self.step_time = step_time
+        self.started = time.time()
+        self.first_step = first_step
+        self.culprit = culprit
+        self.frozen_at: Optional[float] = None  # wall time of the last progress
+        self.frozen_step: Optional[int] = None
+        self._tails: dict[tuple, bytes] = {}
+        self.identity = [self._identity(r) for r in range(ranks)]
+
+    def _identity(self, rank: int) -> bytes:
+        node = rank // RANKS_PER_NODE
+        return json.dumps({"run_id": RUN_ID, "rank": rank, "local_rank": rank % RANKS_PER_NODE,
+                           "world_size": self.ranks, "node_rank": node, "host": f"node-{node:05d}",
+                           "pid": 10_000 + rank % 50_000, "attempt": 0}, separators=(",", ":")).encode()
+
+    def step_at(self, now: float) -> int:
+        if self.frozen_step is not None:
+            return self.frozen_step
+        return self.first_step + int((now - self.started) / self.step_time)
+
+    def freeze(self) -> None:
+        now = time.time()
+        self.frozen_step = self.step_at(now)
+        self.frozen_at = self.started + (self.frozen_step - self.first_step) * self.step_time
+
+    def rows(self, first: int, last: int) -> str:
+        """Step records first..last-1 (every rank alike: own time, loss, grad norm, RSS)."""
+        out = []
+        for s in range(first, last):
+            start = self.started + (s - self.first_step) * self.step_time
+            end = start + self.step_time
+            loss = 2.0 + 1.0 / (1 + s % 1000)
+            out.append(f"[{s},{start:.3f},{end:.3f},1,{0.8 * self.step_time:.4f},{0.01 * self.step_time:.4f},"
+                       f"{loss:.5f},{1.5 + 0.001 * (s % 7):.5f},0,1,{1_500_000_000 + 4096 * (s % 3)},null,null,null]")
+        return ",".join(out)
+
+    def tail(self, since: int, step: int, culprit: bool, history: int = 0) -> bytes:
+        """Everything of a heartbeat after its identity, for ranks at ``step``
+        whose last report carried steps below ``since``."""
+        key = (since, step, culprit, history, self.frozen_step is not None)
+        cached = self._tails.get(key)
+        if cached is not None:
+            return cached
+        if len(self._tails) > 64:
+            self._tails.clear()
+        now = time.time()
+        frozen = self.frozen_step is not None
+        # Three collectives per step (DDP buckets); at the hang every rank but
+        # the culprit has enqueued the next one and waits in it.
+        enqueued = 3 * step + (1 if frozen and not culprit else 0)
+        completed = 3 * step
+        phase = ("forward" if culprit else "backward") if frozen else "forward"
+        last_progress = self.frozen_at if frozen else now
+        first = max(self.first_step, since if not history else step - history)
+        rows = self.rows(first, step)
+        text = (f',"sent_at":{now:.3f},"seq":{step},"step":{step},"forwards":{step},"phase":"{phase}",'
+                f'"phase_since":{last_progress:.3f},"last_progress_at":{last_progress:.3f},'
+                f'"collectives_enqueued":{{"0":{enqueued}}},"collectives_completed":{{"0":{completed}}},'
+                f'"host_memory":{{"MemTotal":270000000000,"MemAvailable":200000000000,"RSS":1500000000}}'
+                + (f',"step_columns":{COLUMNS},"step_rows":[{rows}]' if rows else "") + '}')
+        cached = self._tails[key] = text.encode()
+        return cached
+
+
+def node_prefix(job: Job, node: int) -> tuple[bytes, list[int]]:
+    ranks = list(range(node * RANKS_PER_NODE, min(job.ranks, (node + 1) * RANKS_PER_NODE)))
+    workers = [{"local_rank": r % RANKS_PER_NODE, "rank": r, "pid": 10_000 + r % 50_000} for r in ranks]
+    view = json.dumps({"run_id": RUN_ID, "host": f"node-{node:05d}", "node_rank": node, "world_size": job.ranks,
+                       "sent_at": time.time(), "hang_timeout": None, "on_hang": "wait", "workers": workers,
+                       "launcher_pid": 100 + node}, separators=(",", ":"))
+    return view.encode(), ranks
+
+
+def request_bytes(path: str, body: bytes) -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: collector\r\nAuthorization: Bearer {TOKEN}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+class Stats:
+    def __init__(self) -> None:
+        self.latencies: list[float] = []
+        self.sent = self.ok = self.errors = self.heartbeats = 0
+        self.error_samples: list[str] = []
+        self.recording = False
+
+    def record(self, latency: float, ok: bool, beats: int, why: str = "") -> None:
+        if not self.recording:
+            return
+        self.sent += 1
+        if ok:
+            self.ok += 1
+            self.heartbeats += beats
+            self.latencies.append(latency)
+        else:
+            self.errors += 1
+            if len(self.error_samples) < 5:
+                self.error_samples.append(why)
+
+
+async def _exchange(reader, writer, data: bytes, timeout: float) -> tuple[int, bytes]:
+    writer.write(data)
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
+    status = int(head[9:12])
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line[:15].lower() == b"content-length:":
+            length = int(line[15:])
+    body = await asyncio.wait_for(reader.readexactly(length), timeout) if length else b""
+    return status, body
+
+
+class Simulator:
+    def __init__(self, url: str, job: Job, mode: str, history: int):
+        host, port = url.rsplit("/", 1)[-1].split(":")
+        self.host, self.port = host, int(port)
+        self.job = job
+        self.mode = mode
+        self.history = history
+        self.stats = Stats()
+        self.interval = 1.0
+        self.stop = False
+        self.warm = 0  # nodes that sent their history
+
+    async def node(self, node: int, phase: float) -> None:
+        job = self.job
+        view, ranks = node_prefix(job, node)
+        conn = None
+        last_step = None  # the first report carries the history
+        await asyncio.sleep(phase)
+        while not self.stop:
+            began = time.time()
+            step = job.step_at(began)
+            since = last_step if last_step is not None else step
+            history = self.history if last_step is None else 0
+            try:
+                if conn is None:
+                    conn = await asyncio.open_connection(self.host, self.port)
+                if self.mode == "relay":
+                    beats = b",".join(b'{"version":1,"identity":' + job.identity[r]
+                                      + job.tail(since, step, r == job.culprit, history) for r in ranks)
+                    body = (b'{"version":1,"sent_at":%.3f,"node":' % began + view + b',"heartbeats":[' + beats
+                            + b"]}")
+                    status, reply = await _exchange(*conn, request_bytes("/v1/node-report", body), 30)
+                    ok = status == 200
+                    if ok and b'"interval":' in reply:
+                        hint = json.loads(reply).get("interval")
+                        if isinstance(hint, (int, float)):
+                            self.interval = max(1.0, float(hint))
+                    self.stats.record(time.time() - began, ok, len(ranks), f"HTTP {status}: {reply[:200]!r}")
+                else:
+                    for r in ranks:
+                        t0 = time.time()
+                        body = b'{"version":1,"identity":' + job.identity[r] + job.tail(since, step, r == job.culprit,
+                                                                                       history)
+                        status, reply = await _exchange(*conn, request_bytes("/v1/heartbeat", body), 30)
+                        self.stats.record(time.time() - t0, status == 200, 1, f"HTTP {status}: {reply[:200]!r}")
+                if last_step is None:
+                    self.warm += 1
+                last_step = step
+            except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
+                self.stats.record(time.time() - began, False, 0, f"{type(exc).__name__}: {exc}")
+                if conn is not None:
+                    conn[1].close()
+                conn = None
+                await asyncio.sleep(1.0)
+            # Next report one interval after this one began (no drift, no burst).
+            await asyncio.sleep(max(0.0, began + self.interval - time.time()))
+        if conn is not None:
+            conn[1].close()
+
+
+async def run_load(url: str, job: Job, mode: str, history: int, measure: float, hang_timeout: float,
+                   collector: CollectorProcess) -> dict[str, Any]:
+    sim = Simulator(url, job, mode, history)
+    nodes = (job.ranks + RANKS_PER_NODE - 1) // RANKS_PER_NODE
+    # The collector's cadence at this size (same rule as the service).
+    from rankwatch.collector.service import node_report_interval
+
+    sim.interval = (node_report_interval(job.ranks) or 1.0) if mode == "relay" else 1.0
+    loop = asyncio.get_running_loop()
+    tasks = [loop.create_task(sim.node(n, sim.interval * n / nodes)) for n in range(nodes)]
+    # Warm up: every node connected and its history sent, and one more interval.
+    deadline = time.time() + 300
+    while sim.warm < nodes and time.time() < deadline:
+        await asyncio.sleep(0.2)
+    await asyncio.sleep(2 * sim.interval)
+    usage0 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu0, t0 = collector.cpu_seconds(), time.time()
+    sim.stats.recording = True
+    await asyncio.sleep(measure)
+    sim.stats.recording = False
+    cpu1, t1 = collector.cpu_seconds(), time.time()
+    usage1 = resource.getrusage(resource.RUSAGE_SELF)
+    rss, peak = collector.rss_mib()
+    status = await loop.run_in_executor(None, collector.status)
+    stats = sim.stats
+    elapsed = t1 - t0
+    lat = sorted(stats.latencies)
+    result = {
+        "ranks": job.ranks, "nodes": nodes, "mode": mode, "interval_s": sim.interval,
+        "offered_per_s": (nodes if mode == "relay" else job.ranks) / sim.interval,
+        "sent_per_s": stats.sent / elapsed, "accepted_per_s": stats.ok / elapsed,
+        "heartbeats_per_s": stats.heartbeats / elapsed, "errors": stats.errors,
+        "error_samples": stats.error_samples,
+        "p50_ms": 1000 * lat[len(lat) // 2] if lat else None,
+        "p99_ms": 1000 * lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else None,
+        "collector_cpu": (cpu1 - cpu0) / elapsed, "collector_rss_mib": rss, "collector_peak_rss_mib": peak,
+        "generator_cpu": ((usage1.ru_utime + usage1.ru_stime) - (usage0.ru_utime + usage0.ru_stime)) / elapsed,
+        "tick_s": status.get("tick_seconds"), "tick_max_s": status.get("tick_seconds_max"),
+        "ranks_seen": status.get("runs", {}).get(RUN_ID, {}).get("ranks_seen"),
+        "verdicts_before_hang": [v["kind"] for v in status.get("runs", {}).get(RUN_ID, {}).get("verdicts", [])],
+        "index_degraded": status.get("index_degraded"),
+    }
+    # The hang: one rank stops; everyone else waits in the next collective.
+    job.freeze()
+    frozen_at = job.frozen_at
+    verdict = None
+    deadline = time.time() + hang_timeout + 90
+    while time.time() < deadline and verdict is None:
+        await asyncio.sleep(0.5)
+        try:
+            status = await loop.run_in_executor(None, collector.status)
+        except OSError:
+            continue
+        for v in status.get("runs", {}).get(RUN_ID, {}).get("verdicts", []):
+            if v["kind"] == "hang":
+                verdict = v
+                result["hang_verdict_after_s"] = time.time() - frozen_at
+                result["hang_ranks"] = v["ranks"][:10]
+                break
+    if verdict is None:
+        result["hang_verdict_after_s"] = None
+    result["hang_deadline_s"] = hang_timeout + 5
+    sim.stop = True
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return result
+
+
+def bench_one(ranks: int, args: argparse.Namespace) -> dict[str, Any]:
+    folder = Path(tempfile.mkdtemp(prefix=f"rankwatch-load-{ranks}-"))
+    collector = CollectorProcess(folder / "data", args.hang_timeout, args.server)
+    try:
+        history = args.history if args.history is not None else min(256, 2_000_000 // ranks)
+        job = Job(ranks, args.step_time, first_step=100_000, culprit=random.Random(ranks).randrange(ranks))
+        result = asyncio.run(run_load(collector.url, job, args.mode, history, args.measure, args.hang_timeout,
+                                      collector))
+        result["history_steps"] = history
+        result["culprit"] = job.culprit
+        result["hang_named"] = result.get("hang_ranks") == [job.culprit]
+        return result
+    finally:
+        collector.stop()
+        if not args.keep:
+            shutil.rmtree(folder, ignore_errors=True)
+        else:
+            print(f"kept {folder}", file=sys.stderr)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", default="1000,10000,100000", help="comma-separated rank counts")
+    parser.add_argument("--mode", choices=("relay", "direct"), default="relay")
+    parser.add_argument("--server", choices=("aiohttp", "stdlib"), default="aiohttp")
+    parser.add_argument("--measure", type=float, default=30.0, help="seconds of steady load measured")
+    parser.add_argument("--step-time", type=float, default=1.0, help="seconds per optimizer step of every rank")
+    parser.add_argument("--history", type=int, default=None,
+                        help="step records per rank sent before measuring (default min(256, 2M / ranks))")
+    parser.add_argument("--hang-timeout", type=float, default=15.0)
+    parser.add_argument("--json", action="store_true", help="print one JSON object per N")
+    parser.add_argument("--keep", action="store_true", help="keep the collector's data dir and log")
+    args = parser.parse_args(argv)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
+    except (ValueError, OSError):
+        pass
+    rows = []
+    for n in [int(x) for x in args.ranks.split(",") if x]:
+        result = bench_one(n, args)
+        rows.append(result)
+        if args.json:
+            print(json.dumps(result), flush=True)
+        else:
+            print(_line(result), flush=True)
+    if not args.json:
+        print(_table(rows))
+    return 0 if all(r.get("hang_named") for r in rows) else 1
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _line(r: dict[str, Any]) -> str:
+    return (f"N={r['ranks']}: {r['mode']} every {r['interval_s']:g}s, offered {r['offered_per_s']:.0f}/s, "
+            f"sent {r['sent_per_s']:.0f}/s, accepted {r['accepted_per_s']:.0f}/s "
+            f"({r['heartbeats_per_s']:.0f} heartbeats/s), p50 {_fmt(r['p50_ms'], '.1f')} ms, "
+            f"p99 {_fmt(r['p99_ms'], '.1f')} ms, errors {r['errors']}, collector CPU {r['collector_cpu']:.2f} core, "
+            f"RSS {r['collector_rss_mib']:.0f} MiB (peak {r['collector_peak_rss_mib']:.0f}), "
+            f"tick {_fmt(r['tick_s'], '.3f')} s (max {_fmt(r['tick_max_s'], '.3f')}), generator CPU "
+            f"{r['generator_cpu']:.2f} core, hang verdict after {_fmt(r['hang_verdict_after_s'], '.1f')} s "
+            f"(deadline {r['hang_deadline_s']:g}), ranks {r.get('hang_ranks')} (culprit {r['culprit']})"
+            + (f", error samples {r['error_samples']}" if r["errors"] else ""))
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    head = ("| ranks | mode, cadence | offered/s | accepted/s | heartbeats/s | p50 ms | p99 ms | errors "
+            "| collector CPU | RSS MiB (peak) | tick s (max) | hang verdict s (deadline) | culprit named |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        lines.append(
+            f"| {r['ranks']:,} | {r['mode']}, {r['interval_s']:g} s | {r['offered_per_s']:,.0f} "
+            f"| {r['accepted_per_s']:,.0f} | {r['heartbeats_per_s']:,.0f} | {_fmt(r['p50_ms'], '.1f')} "
+            f"| {_fmt(r['p99_ms'], '.1f')} | {r['errors']} | {r['collector_cpu']:.2f} "
+            f"| {r['collector_rss_mib']:.0f} ({r['collector_peak_rss_mib']:.0f}) "
+            f"| {_fmt(r['tick_s'], '.3f')} ({_fmt(r['tick_max_s'], '.3f')}) "
+            f"| {_fmt(r['hang_verdict_after_s'], '.1f')} ({r['hang_deadline_s']:g}) | {r['hang_named']} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,334 @@
+"""Fast decoding of the collector's hot messages (heartbeats, node reports).
+
+`rankwatch.wire.loads` checks every field of every message through generic
+per-field rules: ~75 us per heartbeat, which caps one collector process near
+10,000 ranks. This module decodes the common shape of a heartbeat with
+straight-line checks (the same limits, from `wire`'s constants and patterns)
+and hands everything else to `wire`'s own decoders:
+
+- accepted here only when every value passes checks at least as strict as
+  `wire`'s rules, with the same resulting values;
+- anything unusual (a value out of range, a non-finite number, a string where
+  a number goes, unknown step columns, events, marks, fingerprints, the older
+  `steps` list) goes through `wire`'s decoder, which gives the canonical
+  result or error.
+
+So the trust boundary stays `wire`'s; this is only a faster road through it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rankwatch import wire
+
+try:  # the collector's extra (pip install 'rankwatch[collector]'); json otherwise
+    import msgspec as _msgspec
+
+    _msgspec_decode = _msgspec.json.Decoder().decode
+except ImportError:  # pragma: no cover
+    _msgspec = None
+
+_STEP_COLUMNS = list(wire.STEP_COLUMNS)
+_MAX_TIME = wire.MAX_TIME
+_MAX_COUNT = wire.MAX_COUNT
+_MAX_INT = wire.MAX_INT
+_MAX_DURATION = wire.MAX_DURATION
+_MAX_WORLD = wire.MAX_WORLD_SIZE
+_ID = wire.ID_PATTERN.match
+_TOKEN = wire._TOKEN.match
+_HOST_RULE = wire._RULES["RankIdentity.host"]
+_HEARTBEAT_FIELDS = {f for f in wire.Heartbeat.__dataclass_fields__}
+_IDENTITY_FIELDS = {f for f in wire.RankIdentity.__dataclass_fields__}
+_SLOW_LISTS = {
+    "steps": wire._decoder(list[wire.StepRecord]),
+    "marks": wire._decoder(list[wire.CollectiveMark]),
+    "events": wire._decoder(list[wire.Event]),
+}
+_StepRecord = wire.StepRecord
+_Heartbeat = wire.Heartbeat
+_RankIdentity = wire.RankIdentity
+
+
+class _Slow(Exception):
+    """Not the common shape: let wire's decoder judge."""
+
+
+def _count(v: Any) -> int:
+    if type(v) is not int or not 0 <= v <= _MAX_COUNT:
+        raise _Slow
+    return v
+
+
+def _time(v: Any) -> float:
+    t = type(v)
+    if (t is not float and t is not int) or not 0.0 <= v <= _MAX_TIME:
+        raise _Slow
+    return float(v)
+
+
+def _opt_duration(v: Any):
+    if v is None:
+        return None
+    t = type(v)
+    if (t is not float and t is not int) or not 0.0 <= v <= _MAX_DURATION:
+        raise _Slow
+    return float(v)
+
+
+def _opt_signal(v: Any):
+    """loss, grad_norm: any finite number (non-finite ones take wire's road)."""
+    if v is None:
+        return None
+    t = type(v)
+    if (t is not float and t is not int) or not -1e308 <= v <= 1e308:
+        raise _Slow
+    return float(v)
+
+
+def _opt_bytes(v: Any):
+    if v is None:
+        return None
+    if type(v) is not int or not 0 <= v <= _MAX_INT:
+        raise _Slow
+    return v
+
+
+def _row(row: Any) -> wire.StepRecord:
+    if type(row) is not list or len(row) != 14:
+        raise _Slow
+    (step, started, ended, forwards, compute_s, data_s, loss, grad_norm, nonfinite, stride, rss, dev_a, dev_r,
+     dev_p) = row
+    return _StepRecord(_count(step), _time(started), _time(ended), _count(forwards), _opt_duration(compute_s),
+                       _opt_duration(data_s), _opt_signal(loss), _opt_signal(grad_norm), _count(nonfinite),
+                       _count(stride), _opt_bytes(rss), _opt_bytes(dev_a), _opt_bytes(dev_r), _opt_bytes(dev_p))
+
+
+def _seqs(d: Any) -> dict[str, int]:
+    if type(d) is not dict or len(d) > 64:
+        raise _Slow
+    for k, v in d.items():
+        if len(k) > 64 or not _TOKEN(k) or type(v) is not int or not -1 <= v <= _MAX_INT:
+            raise _Slow
+    return d
+
+
+def _host_memory(d: Any) -> dict[str, int]:
+    if type(d) is not dict or len(d) > 16:
+        raise _Slow
+    for k, v in d.items():
+        if not _TOKEN(k) or type(v) is not int or not 0 <= v <= _MAX_INT:
+            raise _Slow
+    return d
+
+
+_identities: dict[tuple, wire.RankIdentity] = {}
+
+
+def _identity(d: Any) -> wire.RankIdentity:
+    """A rank sends the same identity every beat: checked once, then shared."""
+    if type(d) is not dict:
+        raise _Slow
+    try:
+        key = tuple(d.items())
+        cached = _identities.get(key)
+    except TypeError:  # an unhashable value: not a valid identity anyway
+        raise _Slow from None
+    if cached is not None:
+        return cached
+    identity = _check_identity(d)
+    if len(_identities) >= 1_100_000:
+        _identities.clear()
+    _identities[key] = identity
+    return identity
+
+
+def _check_identity(d: dict) -> wire.RankIdentity:
+    if not d.keys() <= _IDENTITY_FIELDS:
+        raise _Slow
+    run_id, host = d.get("run_id"), d.get("host", "")
+    rank, local_rank, world = d.get("rank"), d.get("local_rank"), d.get("world_size")
+    node_rank, pid, attempt = d.get("node_rank", 0), d.get("pid", 0), d.get("attempt", 0)
+    if (type(run_id) is not str or not run_id or not _ID(run_id)
+            or type(world) is not int or not 1 <= world <= _MAX_WORLD
+            or type(rank) is not int or not 0 <= rank < world
+            or type(local_rank) is not int or not 0 <= local_rank < world
+            or type(node_rank) is not int or not 0 <= node_rank < world
+            or type(pid) is not int or not 0 <= pid <= wire.MAX_PID
+            or type(attempt) is not int or not 0 <= attempt <= _MAX_COUNT
+            or type(host) is not str or (host and (not host.isprintable() or len(host) > 255))):
+        raise _Slow
+    if host:
+        try:
+            _HOST_RULE(host, "RankIdentity.host")
+        except wire.WireError:
+            raise _Slow from None
+    return _RankIdentity(run_id, rank, local_rank, world, node_rank, host, pid, attempt)
+
+
+def _phase(v: Any) -> str:
+    if type(v) is not str or not _TOKEN(v):
+        raise _Slow
+    return v
+
+
+def decode_heartbeat(data: Any, path: str = "Heartbeat") -> wire.Heartbeat:
+    """A parsed heartbeat (JSON data) -> wire.Heartbeat, its step rows turned
+    into StepRecords. Raises wire.WireError for a bad one."""
+    try:
+        return _fast(data)
+    except _Slow:
+        hb = wire.decode(wire.Heartbeat, data, path)
+        if hb.step_rows:
+            hb.steps = wire.step_records(hb)
+        hb.step_rows, hb.step_columns = [], []  # expanded: the records are in `steps`
+        return hb
+
+
+def _fast(data: Any) -> wire.Heartbeat:
+    if type(data) is not dict or not data.keys() <= _HEARTBEAT_FIELDS:
+        raise _Slow
+    version = data.get("version", 1)
+    if type(version) is not int or not 0 <= version <= wire.WIRE_VERSION:
+        raise _Slow
+    get = data.get
+    if get("fingerprints"):
+        raise _Slow  # every N steps: wire's rules (fingerprints are free-form)
+    steps: list = []
+    rows = get("step_rows")
+    if rows:
+        if get("step_columns") != _STEP_COLUMNS or type(rows) is not list or len(rows) > wire.MAX_LIST_ITEMS:
+            raise _Slow
+        steps = [_row(r) for r in rows]
+    lists = {}
+    for name, decode in _SLOW_LISTS.items():
+        value = get(name)
+        if value:  # rare (events) or every few steps (marks): wire's own decoder
+            lists[name] = decode(value, f"Heartbeat.{name}")
+    if "steps" in lists:
+        steps = lists["steps"] + steps
+    enqueued = get("collectives_enqueued")
+    completed = get("collectives_completed")
+    memory = get("host_memory")
+    return _Heartbeat(
+        identity=_identity(get("identity")),
+        sent_at=_time(get("sent_at")),
+        seq=_count(get("seq", 0)),
+        step=_count(get("step", 0)),
+        forwards=_count(get("forwards", 0)),
+        phase=_phase(get("phase", "startup")),
+        phase_since=_time(get("phase_since", 0.0)),
+        last_progress_at=_time(get("last_progress_at", 0.0)),
+        collectives_enqueued=_seqs(enqueued) if enqueued else {},
+        collectives_completed=_seqs(completed) if completed else {},
+        steps=steps,
+        marks=lists.get("marks", []),
+        events=lists.get("events", []),
+        host_memory=_host_memory(memory) if memory else {},
+        version=version,
+        steps_skipped=_count(get("steps_skipped", 0)),
+    )
+
+
+def parse(raw: bytes, what: str, limit: int = wire.MAX_MESSAGE_BYTES) -> Any:
+    """JSON text -> data, within wire's bounds. msgspec parses (about twice
+    as fast as json, no recursion into deep nesting); whatever it refuses or
+    what might be near a bound goes through wire.parse_json for the canonical
+    answer (a NaN token, a precise count of objects, the error text)."""
+    if len(raw) > limit:
+        raise wire.WireError(f"{what}: {len(raw)} bytes exceed the {limit}-byte limit")
+    if _msgspec is None or (raw.count(b"{") + raw.count(b"[") > wire.MAX_JSON_CONTAINERS // 2
+                            or raw.count(b",") > wire.MAX_JSON_VALUES // 2):
+        return wire.parse_json(raw, what, limit)
+    try:
+        return _msgspec_decode(raw)
+    except (_msgspec.DecodeError, RecursionError, UnicodeDecodeError):
+        return wire.parse_json(raw, what, limit)
+
+
+def loads_heartbeat(raw: bytes) -> wire.Heartbeat:
+    return decode_heartbeat(parse(raw, "Heartbeat"))
+
+
+_decode_node_slow = wire._decoder(wire.NodeHeartbeat)
+_NODE_FIELDS = {f for f in wire.NodeHeartbeat.__dataclass_fields__}
+_WORKER_FIELDS = {f for f in wire.WorkerStatus.__dataclass_fields__}
+_workers: dict[tuple, wire.WorkerStatus] = {}
+
+
+def _worker(d: Any, world: int) -> wire.WorkerStatus:
+    if type(d) is not dict or not d.keys() <= _WORKER_FIELDS:
+        raise _Slow
+    try:
+        key = (world, *d.items())
+        cached = _workers.get(key)
+    except TypeError:
+        raise _Slow from None
+    if cached is not None:
+        return cached
+    local_rank, rank, pid = d.get("local_rank"), d.get("rank"), d.get("pid")
+    alive, code, at = d.get("alive", True), d.get("exit_code"), d.get("exited_at")
+    if (type(local_rank) is not int or not 0 <= local_rank < _MAX_WORLD
+            or type(rank) is not int or not 0 <= rank < _MAX_WORLD or (world and rank >= world)
+            or type(pid) is not int or not 1 <= pid <= wire.MAX_PID or type(alive) is not bool
+            or (code is not None and (type(code) is not int or not -wire.MAX_EXIT_CODE <= code <= wire.MAX_EXIT_CODE))
+            or (at is not None and (type(at) not in (int, float) or not 0.0 <= at <= _MAX_TIME))):
+        raise _Slow
+    worker = wire.WorkerStatus(local_rank, rank, pid, alive, code, None if at is None else float(at))
+    if len(_workers) >= 1_100_000:
+        _workers.clear()
+    _workers[key] = worker
+    return worker
+
+
+def _decode_node(d: Any, path: str) -> wire.NodeHeartbeat:
+    try:
+        if type(d) is not dict or not d.keys() <= _NODE_FIELDS:
+            raise _Slow
+        get = d.get
+        run_id, host, node_rank, world = get("run_id"), get("host"), get("node_rank"), get("world_size")
+        hang_timeout, on_hang, finished, launcher_pid = (get("hang_timeout"), get("on_hang", "abort"),
+                                                         get("finished", False), get("launcher_pid", 0))
+        version, workers = get("version", 1), get("workers", [])
+        if (type(run_id) is not str or not run_id or not _ID(run_id)
+                or type(host) is not str or not host.isprintable() or len(host) > 255 or host.strip() != host
+                or type(node_rank) is not int or not 0 <= node_rank < _MAX_WORLD
+                or type(world) is not int or not 0 <= world <= _MAX_WORLD
+                or (hang_timeout is not None and (type(hang_timeout) not in (int, float)
+                                                  or not 1e-3 <= hang_timeout <= _MAX_DURATION))
+                or on_hang not in ("abort", "wait") or type(finished) is not bool
+                or type(launcher_pid) is not int or not 0 <= launcher_pid <= wire.MAX_PID
+                or type(version) is not int or not 0 <= version <= wire.WIRE_VERSION
+                or type(workers) is not list or len(workers) > 4096):
+            raise _Slow
+        return wire.NodeHeartbeat(run_id=run_id, host=host, node_rank=node_rank, world_size=world,
+                                  sent_at=_time(get("sent_at")),
+                                  hang_timeout=None if hang_timeout is None else float(hang_timeout),
+                                  on_hang=on_hang, workers=[_worker(w, world) for w in workers],
+                                  finished=finished, launcher_pid=launcher_pid, version=version)
+    except _Slow:
+        return _decode_node_slow(d, path)
+
+
+def loads_node_report(raw: bytes, limit: int) -> wire.NodeReport:
+    data = parse(raw, "NodeReport", limit)
+    if type(data) is not dict:
+        raise wire.WireError("NodeReport: expected an object")
+    version = data.get("version", 1)
+    if type(version) is not int or not 0 <= version <= wire.WIRE_VERSION:
+        raise wire.WireError(f"NodeReport: unsupported version {version!r:.40} (this reader knows "
+                             f"{wire.WIRE_VERSION})")
+    beats = data.get("heartbeats", [])
+    if type(beats) is not list or len(beats) > wire.MAX_LIST_ITEMS:
+        raise wire.WireError("NodeReport.heartbeats: expected a list of at most "
+                             f"{wire.MAX_LIST_ITEMS} heartbeats")
+    node = data.get("node")
+    sent_at = data.get("sent_at", 0.0)
+    if type(sent_at) not in (int, float) or not 0.0 <= sent_at <= _MAX_TIME:
+        raise wire.WireError("NodeReport.sent_at: expected a time")
+    return wire.NodeReport(
+        node=None if node is None else _decode_node(node, "NodeReport.node"),
+        heartbeats=[decode_heartbeat(b, f"NodeReport.heartbeats[{i}]") for i, b in enumerate(beats)],
+        version=version,
+        sent_at=float(sent_at),
+    )

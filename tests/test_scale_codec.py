@@ -1,0 +1,122 @@
+"""The collector's fast decoder gives what wire's decoder gives: the same
+objects for good messages, a WireError for bad ones (never more lenient)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+
+import pytest
+
+from rankwatch import wire
+from rankwatch.collector import codec
+
+
+def _beat(**over):
+    now = time.time()
+    beat = {
+        "version": 1,
+        "identity": {"run_id": "job-1", "rank": 3, "local_rank": 3, "world_size": 8, "node_rank": 0,
+                     "host": "node-a", "pid": 1234, "attempt": 0},
+        "sent_at": now, "seq": 5, "step": 12, "forwards": 12, "phase": "forward", "phase_since": now,
+        "last_progress_at": now, "collectives_enqueued": {"0": 36}, "collectives_completed": {"0": 35},
+        "host_memory": {"MemTotal": 1 << 34, "MemAvailable": 1 << 33, "RSS": 1 << 30},
+        "step_columns": list(wire.STEP_COLUMNS),
+        "step_rows": [[11, now - 1, now, 1, 0.8, 0.01, 2.5, 1.25, 0, 1, 1 << 30, None, None, None]],
+    }
+    beat.update(over)
+    return beat
+
+
+def _slow(data):
+    hb = wire.decode(wire.Heartbeat, copy.deepcopy(data))
+    hb.steps = wire.step_records(hb)
+    hb.step_rows, hb.step_columns = [], []
+    return hb
+
+
+def _same(a, b) -> bool:
+    return json.dumps(wire.json_safe(a), sort_keys=True) == json.dumps(wire.json_safe(b), sort_keys=True)
+
+
+def _row(**values):
+    row = _beat()["step_rows"][0]
+    for name, value in values.items():
+        row[wire.STEP_COLUMNS.index(name)] = value
+    return row
+
+
+GOOD = [
+    _beat(),
+    _beat(step_rows=[]),
+    _beat(step_rows=[_row(loss=float("nan"))]),  # a NaN loss is the signal: kept
+    _beat(step_rows=[_row(loss="NaN", grad_norm="Infinity")]),
+    _beat(step_rows=[_row(compute_s=None, rss_bytes=None)]),
+    _beat(events=[{"kind": "exception", "at": time.time(), "step": 3, "details": {"message": "boom"}}]),
+    _beat(marks=[{"step": 10, "seqs": {"0": 30}}]),
+    _beat(fingerprints=[{"step": 9, "names": ["param:w"], "norms": [1.5]}]),
+    _beat(steps=[{"step": 10, "started_at": 1.0, "ended_at": 2.0}]),
+    _beat(steps_skipped=7),
+    _beat(collectives_enqueued={}, host_memory={}),
+    _beat(unknown_field_from_a_newer_agent=1),
+]
+
+BAD = [
+    _beat(identity={**_beat()["identity"], "rank": 8}),  # outside the world
+    _beat(identity={**_beat()["identity"], "run_id": ".."}),
+    _beat(identity={**_beat()["identity"], "host": "a\ud800b"}),
+    _beat(identity={**_beat()["identity"], "world_size": 0}),
+    _beat(identity={**_beat()["identity"], "rank": True}),
+    _beat(sent_at=float("inf")),
+    _beat(sent_at=1e30),
+    _beat(step=-1),
+    _beat(step=2**70),
+    _beat(phase="for ward\n"),
+    _beat(collectives_enqueued={"0": "x"}),
+    _beat(step_rows=[[1, 2, 3]]),
+    _beat(step_rows=[_row(step=-5)]),
+    _beat(step_rows=[_row(started_at="NaN")]),
+    _beat(step_rows=[_row(rss_bytes=-1)]),
+    _beat(step_rows=[_row(forwards=1.5)]),
+    _beat(step_columns=["step", "step"], step_rows=[[1, 2]]),
+    _beat(version=99),
+    _beat(identity=5),
+]
+
+
+@pytest.mark.parametrize("data", GOOD)
+def test_good_heartbeats_decode_alike(data):
+    assert _same(codec.decode_heartbeat(copy.deepcopy(data)), _slow(data))
+
+
+@pytest.mark.parametrize("data", BAD)
+def test_bad_heartbeats_are_refused_alike(data):
+    with pytest.raises(wire.WireError):
+        _slow(data)
+    with pytest.raises(wire.WireError):
+        codec.decode_heartbeat(copy.deepcopy(data))
+
+
+def test_node_report_parse_bounds_and_nan_tokens():
+    report = {"version": 1, "sent_at": time.time(), "node": {
+        "run_id": "job-1", "host": "node-a", "node_rank": 0, "world_size": 8, "sent_at": time.time(),
+        "workers": [{"local_rank": 0, "rank": 0, "pid": 10}, {"local_rank": 1, "rank": 1, "pid": 11, "alive": False,
+                                                               "exit_code": -9, "exited_at": time.time()}]},
+        "heartbeats": [_beat()]}
+    raw = json.dumps(report).encode()
+    decoded = codec.loads_node_report(raw, 1 << 20)
+    assert decoded.node == wire.decode(wire.NodeHeartbeat, report["node"])
+    assert decoded.heartbeats[0].steps[0].step == 11
+    # A bare NaN token (older agents) still reads as wire reads it.
+    nan = raw.replace(b'"step_rows": [[11, ', b'"step_rows": [[11, ').replace(b"2.5, 1.25", b"NaN, 1.25")
+    assert math.isnan(codec.loads_node_report(nan, 1 << 20).heartbeats[0].steps[0].loss)
+    with pytest.raises(wire.WireError):
+        codec.loads_node_report(b"[" * 100_000 + b"]" * 100_000, 1 << 20)
+    with pytest.raises(wire.WireError):
+        codec.loads_node_report(raw, 100)
+    bad_worker = json.loads(raw)
+    bad_worker["node"]["workers"][0]["rank"] = 9
+    with pytest.raises(wire.WireError):
+        codec.loads_node_report(json.dumps(bad_worker).encode(), 1 << 20)
