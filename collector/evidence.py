@@ -183,3 +183,23 @@ def _int(value: Any, default: int) -> int:
         return int(value)
     except (TypeError, ValueError):
         return default
+
+
+def fill_source(frames: list[dict[str, Any]], donors: list[RankEvidence]) -> list[dict[str, Any]]:
+    """``frames`` with the source text filled in where it is missing (a stack
+    taken from outside by an older supervisor, or a faulthandler text) from
+    any other evidence of the run that shows the same file and line (the
+    agent's own stacks and tracebacks carry it)."""
+    if all(f.get("code") for f in frames):
+        return frames
+    known: dict[tuple[str, Any], str] = {}
+    for ev in donors:
+        threads = [t.get("frames") or [] for t in ev.stacks]
+        if ev.exception and isinstance(ev.exception.get("frames"), list):
+            threads.append(ev.exception["frames"])
+        for thread in threads:
+            for frame in thread:
+                if isinstance(frame, dict) and frame.get("code"):
+                    known.setdefault((str(frame.get("file")), frame.get("line")), str(frame["code"]))
+    return [f if f.get("code") else {**f, "code": known.get((str(f.get("file")), f.get("line")), "")}
+            for f in frames]

@@ -17,19 +17,24 @@ from typing import Optional
 from rankwatch import wire
 
 from ..state import RankState, RunState
-from .common import located, ranks_text, verdict, where
+from .common import iso, located, ranks_text, verdict, where
 
 # Failures that are the consequence of a peer's failure (or of a collective
 # mismatch, which collective_mismatch explains).
 PEER_FAILURE = re.compile(
     r"connection closed by peer|connection reset by peer|broken pipe|ECONNRESET|EPIPE|"
-    r"timed out|timeout|socket timeout|connection refused|read error|"
+    r"socket timeout|connection refused|read error|"
     r"communicator was aborted|remote process exited|network error|"
     r"NCCL.*(abort|remote)|ProcessGroupNCCL.*watchdog|peer .* (closed|died|exited)|"
     r"Unexpected end of stream|unbound buffer|Application timeout caused pair closure|"
     r"TCPStore|recvValue|recvBytes|sendBytes",
     re.IGNORECASE,
 )
+# A timeout is a peer's fault only inside the distributed runtime: a DataLoader
+# or a user's own timeout is the rank's own failure.
+TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+DISTRIBUTED = re.compile(r"gloo|nccl|c10d|ProcessGroup|torch/distributed|torch\.distributed|TCPStore|collective",
+                         re.IGNORECASE)
 COLLECTIVE_ERROR = re.compile(
     r"size doesn't match|size does not match|preamble|expected size|mismatch",
     re.IGNORECASE,
@@ -70,8 +75,8 @@ def failure_of(state: RankState) -> Optional[Failure]:
         if state.exited_at is not None:
             at = min(at, state.exited_at)
         return Failure(
-            rank=state.rank, at=at, cause=text[:500], kind="exception",
-            peer_caused=bool(PEER_FAILURE.search(text)) and not _is_mismatch(text),
+            rank=state.rank, at=at, cause=(one_line(text) if "Original Traceback" in text else text[:500]), kind="exception",
+            peer_caused=_peer_caused(text, str(exc.details.get("traceback", ""))),
             collective_error=_is_mismatch(text), exit_code=state.exit_code if state.exit_code is not None else 1,
             step=exc.step, traceback=str(exc.details.get("traceback", ""))[-3000:],
             phase=str(exc.details.get("phase", "")), oom=bool(OUT_OF_MEMORY.search(text)),
@@ -103,6 +108,26 @@ def host_memory_exhausted(state: RankState, margin: float = 0.05) -> bool:
         return True
     limit, rss = mem.get("CgroupLimit"), mem.get("RSS")
     return bool(limit and rss and rss > (1 - margin) * limit)
+
+
+def one_line(cause: str) -> str:
+    """A cause fit for a one-line summary. An exception re-raised from a
+    DataLoader worker (or any "Original Traceback") ends with the original
+    error: that is the one to show."""
+    lines = [line.strip() for line in cause.splitlines() if line.strip()]
+    if not lines:
+        return cause
+    if len(lines) > 1 and any("Original Traceback" in line for line in lines):
+        return f"{lines[-1][:300]} ({lines[0].split(':', 1)[-1].strip()[:120]})"
+    return lines[0][:300]
+
+
+def _peer_caused(text: str, traceback: str) -> bool:
+    if _is_mismatch(text):
+        return False
+    if PEER_FAILURE.search(text):
+        return True
+    return bool(TIMEOUT.search(text)) and bool(DISTRIBUTED.search(text + "\n" + traceback[-2000:]))
 
 
 def _is_mismatch(text: str) -> bool:
@@ -146,6 +171,8 @@ def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
             return []  # collective_mismatch / oom name the culprit
         if run.aborted or run.interrupted:
             return []
+        if _left_cleanly_before(run, found):
+            return []  # hang's left_the_loop names the rank that exited early
         causes = found[:1]  # every failure looks like a consequence: name the first
     first = causes[0]
     culprit_state = run.ranks[first.rank]
@@ -159,7 +186,7 @@ def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
             first.phase = "unknown"
     culprits = [f for f in causes if f.at - first.at <= SAME_CAUSE_WINDOW]
     victims = [f for f in found if f not in culprits]
-    summary = f"{ranks_text(f.rank for f in culprits).capitalize()} ({located(run, [first.rank])}) crashed first: {first.cause}"
+    summary = f"{ranks_text(f.rank for f in culprits).capitalize()} ({located(run, [first.rank])}) crashed first: {one_line(first.cause)}"
     if first.step is not None:
         summary += f" (step {first.step}" + (f", phase {first.phase})" if first.phase not in ("", "unknown") else ")")
     if first.unused_parameters:
@@ -180,5 +207,16 @@ def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
         "traceback": first.traceback,
         "hosts": {str(f.rank): run.ranks[f.rank].host for f in culprits},
         "unused_parameters": list(first.unused_parameters),
+        # CONTRACT: what followed from the cause (the peers' failures).
+        "consequences": [{"kind": "crash", "ranks": [f.rank], "step": f.step, "first_seen_at": iso(f.at),
+                          "summary": f.cause[:500], "exit_code": f.exit_code} for f in victims],
     }
     return [verdict("crash", [f.rank for f in culprits], first.step, first.at, max(now, first.at), summary, evidence)]
+
+
+def _left_cleanly_before(run: RunState, found: list[Failure]) -> bool:
+    """A rank exited 0 before these (all peer-caused) failures: its peers were
+    still in a collective with it."""
+    first = min(f.at for f in found)
+    return any(s.exit_code == 0 and s.exited_at is not None and not s.killed_by_rankwatch
+               and s.exited_at <= first + 2.0 for s in run.ranks.values())

@@ -6,25 +6,40 @@ stuck, and every rank stops stepping at once). The evidence is each rank's
 collective sequence number (Flight Recorder's pg_status, from its bundle or
 last heartbeat) and its main-thread stack:
 1. ranks that exited while the others wait left the training loop;
-2. per process group, ranks whose last enqueued collective is behind the
+2. ranks frozen with the GIL held: their heartbeat thread stopped too (the
+   supervisor then took their stacks from outside) and their main thread is
+   in their own code, not waiting for a peer. This outranks the sequence
+   numbers: a frozen rank's last report can be ahead of a peer that waits
+   for it (it enqueued an asynchronous collective before it froze, or its
+   numbers come from a heartbeat older than the peers' bundles);
+3. per process group, ranks whose last enqueued collective is behind the
    others' never reached the collective the others wait in;
-3. otherwise, stack outliers: ranks whose main thread is not parked in a
+4. otherwise, stack outliers: ranks whose main thread is not parked in a
    collective while the majority is.
+
+A rank that leaves the loop and exits cleanly while its peers are inside a
+collective with it is found without an incident too (`left_the_loop`): gloo
+fails the peers at once ("Connection closed by peer"), so no stall ever
+reaches the hang timeout. The peers' failures are its consequences.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Optional
 
 from rankwatch import wire
 
-from ..evidence import RankEvidence
+from ..evidence import RankEvidence, fill_source
 from ..state import Incident, RunState
-from .common import in_dataloader, located, ranks_text, verb, verdict, waits_in_collective, where
+from .common import in_dataloader, iso, located, ranks_text, verb, verdict, waits_in_collective, where
 
 
 def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
     out = []
+    left = left_the_loop(run, now)
+    if left is not None:
+        out.append(left)
     for incident in run.incidents:
         if incident.kind == "hang" and incident.ready:
             found = diagnose(run, incident)
@@ -53,6 +68,7 @@ def diagnose(run: RunState, incident: Incident) -> Optional[wire.Verdict]:
             "collective_seq": seqs[r],
             "exited": r in exited,
             "exit_code": state.exit_code,
+            "exited_at": state.exited_at if r in exited else None,
             "where": where(stack) if stack else None,
             "waiting_in_collective": waits_in_collective(stack) if stack else None,
             "bundle": ev.bundle_path if ev else None,
@@ -63,7 +79,13 @@ def diagnose(run: RunState, incident: Incident) -> Optional[wire.Verdict]:
     reason = ""
     if exited and live:
         culprits = exited
-        reason = "left the training loop and exited while the others still wait for it"
+        codes = sorted({run.ranks[r].exit_code for r in exited})
+        reason = (f"left the training loop and exited (exit code {', '.join(map(str, codes))}) "
+                  f"while the others still wait for it")
+    frozen = False
+    if not culprits:
+        culprits, reason = _frozen(run, incident, live, evidence)
+        frozen = bool(culprits)
     if not culprits:
         culprits, reason = _behind_in_collectives(seqs, live, details)
     if not culprits:
@@ -75,7 +97,8 @@ def diagnose(run: RunState, incident: Incident) -> Optional[wire.Verdict]:
     first = culprits[0]
     state = run.ranks[first]
     ev = evidence.get(first)
-    stack = ev.main_stack if ev else []
+    stack = (outside_frames(ev) if frozen else ev.main_stack) if ev else []
+    stack = fill_source(stack, run.all_evidence())
     step = state.step
     others = [r for r in ranks if r not in culprits]
     summary = f"{ranks_text(culprits).capitalize()} {reason}"
@@ -85,8 +108,10 @@ def diagnose(run: RunState, incident: Incident) -> Optional[wire.Verdict]:
             summary += f"; its main thread waits for a DataLoader worker at {location}"
         else:
             summary += f"; its main thread is at {location}"
-    elif ev and ev.native_stacks:
-        summary += "; see its native stack (py-spy) in the bundle"
+    if ev and ev.native_stacks:
+        native = _native_top(ev.native_stacks)
+        summary += (f"; its native stack (py-spy --native) is in {native}" if native
+                    else "; see its native stack (py-spy) in the bundle")
     summary += f" (step {step}, phase {state.phase}; {located(run, culprits[:1])})."
     if others:
         summary += f" {ranks_text(others).capitalize()} {verb(others, 'waits', 'wait')} for it."
@@ -143,3 +168,195 @@ def _stack_outliers(live: list[int], evidence: dict[int, RankEvidence]) -> tuple
     if not_waiting and len(not_waiting) < len(waiting):
         return sorted(not_waiting), "is not in a collective while the others wait in one"
     return [], ""
+
+
+# -- a rank frozen with the GIL held ------------------------------------------------
+
+STALE_HEARTBEAT_S = 3.0  # the collector asks for outside stacks past 3 heartbeat intervals (1 s default)
+
+
+def _frozen(run: RunState, incident: Incident, live: list[int],
+            evidence: dict[int, RankEvidence]) -> tuple[list[int], str]:
+    """Ranks whose heartbeat thread stopped while their peers' kept beating
+    (the supervisor took their native stack: it does so only for such ranks,
+    which also keeps this rule working offline from the bundles), and whose
+    main thread, seen from outside, is in their own code rather than waiting
+    for a peer."""
+    frozen = []
+    for r in live:
+        ev = evidence.get(r)
+        if ev is None:
+            continue
+        stale = bool(ev.native_stacks or ev.faulthandler)
+        last = run.ranks[r].last_heartbeat_at
+        if not stale and last:
+            stale = incident.opened_at - last > STALE_HEARTBEAT_S
+        if not stale:
+            continue
+        stack = outside_frames(ev)
+        if (stack and not waits_in_collective(stack)) or (not stack and _main_owns_gil(ev)):
+            frozen.append(r)
+    if not frozen or len(frozen) == len(live):
+        return [], ""  # every rank silent: a node-wide freeze, not one culprit
+    held = any(_main_owns_gil(evidence[r]) for r in frozen)
+    return sorted(frozen), ("is frozen in its own code" + (" holding the GIL" if held else "")
+                            + " (its heartbeat thread stopped too), so the others wait for it")
+
+
+def outside_frames(ev: RankEvidence) -> list[dict[str, Any]]:
+    """The main thread as the supervisor saw it while the rank was silent:
+    py-spy's Python stack, else the Python frames of its native dump, else
+    faulthandler's. (An agent bundle that arrives later, after the rank came
+    back, shows where it went next, not where it was stuck.)"""
+    if ev.source != "agent" and ev.main_stack:
+        return ev.main_stack
+    frames = _native_python_frames(ev.native_stacks)
+    if frames:
+        return frames
+    if ev.faulthandler:
+        from rankwatch.faulttext import parse
+
+        threads = parse(ev.faulthandler)
+        main = next((t for t in threads if t.get("main")), None)
+        if main and main.get("frames"):
+            return main["frames"]
+    return ev.main_stack
+
+
+_NATIVE_PY_FRAME = re.compile(r"^\s+(\S.*?) \((\S+\.py):(\d+)\)\s*$")
+
+
+def _native_python_frames(text: str) -> list[dict[str, Any]]:
+    """Python frames of the main thread in `py-spy dump --native` text,
+    outermost first (py-spy lists innermost first)."""
+    block = _main_block(text)
+    frames = []
+    for line in block:
+        m = _NATIVE_PY_FRAME.match(line)
+        if m:
+            frames.append({"file": m.group(2), "line": int(m.group(3)), "name": m.group(1), "code": ""})
+    return list(reversed(frames))
+
+
+def _main_block(text: str) -> list[str]:
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("Thread ") and '"MainThread"' in line), None)
+    if start is None:
+        start = next((i for i, line in enumerate(lines) if line.startswith("Thread ")), None)
+    if start is None:
+        return []
+    block = []
+    for line in lines[start + 1:]:
+        if not line.startswith((" ", "\t")):
+            break
+        block.append(line)
+    return block
+
+
+def _main_owns_gil(ev: RankEvidence) -> bool:
+    return any(t.get("main") and t.get("owns_gil") is True for t in ev.stacks)
+
+
+_GLUE = ("ffi_call", "_ctypes", "PyCFuncPtr", "_PyEval", "PyObject_", "_PyObject", "cfunction_", "method_vectorcall")
+
+
+def _native_top(text: str) -> str:
+    """The innermost native frames of the main thread in a `py-spy dump
+    --native` text, down to the first interpreter glue or Python frame."""
+    names = []
+    for line in _main_block(text):
+        frame = line.strip()
+        if frame.startswith("0x"):
+            continue
+        if _NATIVE_PY_FRAME.match(line) or any(g in frame for g in _GLUE):
+            break
+        names.append(frame)
+    if len(names) > 3:  # the innermost (where it waits) and the call the Python code made
+        names = [names[0], "...", names[-1]]
+    return " <- ".join(names)
+
+
+# -- a rank that left the loop while its peers were in a collective with it ------------
+
+LEFT_SLACK_S = 2.0  # a rank's exit time and its peers' failure times come from different clocks
+
+
+def left_the_loop(run: RunState, now: float) -> Optional[wire.Verdict]:
+    """A rank exited cleanly (exit code 0: it ran out of data, returned from
+    main, called sys.exit) and after that its peers failed with a peer error
+    ("Connection closed by peer"): they were still inside a collective with
+    it. It is the culprit; their failures are consequences. A rank that
+    exited non-zero is `crash`'s."""
+    from .crash import failures
+
+    found = failures(run)
+    if not found or run.interrupted:
+        return None
+    leavers = {r: s for r, s in run.ranks.items()
+               if s.exit_code == 0 and s.exited_at is not None and not s.killed_by_rankwatch}
+    if not leavers:
+        return None
+    first_leave = min(s.exited_at for s in leavers.values())
+    others = [f for f in found if f.rank not in leavers]
+    if any(not f.peer_caused and not f.collective_error for f in others):
+        return None  # an independent failure: crash names it
+    victims = [f for f in others if f.at >= first_leave - LEFT_SLACK_S]
+    if not victims:
+        return None
+    first_victim = min(v.at for v in victims)
+    culprits = sorted(r for r, s in leavers.items() if s.exited_at <= first_victim + LEFT_SLACK_S)
+    if not culprits:
+        return None
+    first = culprits[0]
+    state = leavers[first]
+    exit_event = next((e for e in reversed(state.events) if e.kind == "exit"), None)
+    step = exit_event.step if exit_event is not None and exit_event.step is not None else state.step
+    phase = str(exit_event.details.get("phase", "")) if exit_event is not None else state.phase
+    victim_ranks = sorted({v.rank for v in victims})
+    seq = _victims_collective(run, victim_ranks)
+    where_text = f"collective #{seq[1]} of process group {seq[0]}" if seq else "a collective"
+    causes = sorted({_peer_error(v.cause) for v in victims})
+    summary = (f"{ranks_text(culprits).capitalize()} left the training loop and exited cleanly (exit code 0) "
+               f"at step {step}" + (f", phase {phase}" if phase not in ("", "exited", "unknown") else "")
+               + f" ({located(run, culprits[:1])}), while {ranks_text(victim_ranks)} "
+               f"{verb(victim_ranks, 'was', 'were')} still in {where_text} with it: "
+               f"{verb(victim_ranks, 'its', 'their')} failure ({'; '.join(causes[:2])}) follows from it. "
+               f"Every rank must run the same number of steps (uneven data per rank, or a break, return or "
+               f"sys.exit on one rank).")
+    details: dict[str, Any] = {
+        "reason": "left the training loop and exited cleanly while peers were in a collective with it",
+        "ranks": {str(r): {"exited": r in culprits, "exit_code": run.ranks[r].exit_code,
+                           "exited_at": run.ranks[r].exited_at, "step": run.ranks[r].step,
+                           "phase": run.ranks[r].phase} for r in sorted(run.ranks)},
+        "hosts": {str(r): run.ranks[r].host for r in culprits},
+        "located": located(run, culprits),
+        "waiting_at": {seq[0]: seq[1]} if seq else {},
+        "consequences": [{"kind": "crash", "ranks": [v.rank], "step": v.step, "first_seen_at": iso(v.at),
+                          "summary": v.cause[:500], "exit_code": v.exit_code} for v in victims],
+    }
+    return verdict("hang", culprits, step, state.exited_at, max(now, state.exited_at or now), summary, details)
+
+
+def _peer_error(cause: str) -> str:
+    """The peer error itself ("Connection closed by peer") rather than the
+    wrapping it comes in ("Got the following error when running the callback: ...")."""
+    from .crash import PEER_FAILURE
+
+    m = PEER_FAILURE.search(cause)
+    return f"'{m.group(0)}'" if m else cause.split("\n")[0][:120]
+
+
+def _victims_collective(run: RunState, ranks: list[int]) -> Optional[tuple[str, int]]:
+    """(process group, sequence number) the failed peers were in: the highest
+    enqueued collective any of them reported, in the busiest process group."""
+    best: Optional[tuple[str, int]] = None
+    for r in ranks:
+        state = run.ranks[r]
+        seqs = dict(state.enqueued)
+        for ev in state.evidence.values():
+            for pg, v in ev.pg_enqueued.items():
+                seqs[pg] = max(seqs.get(pg, -1), v)
+        for pg, v in seqs.items():
+            if v >= 0 and (best is None or v > best[1]):
+                best = (pg, v)
+    return best

@@ -1,0 +1,303 @@
+"""Culprit rules in real multi-process DDP jobs (gloo, CPU), and the pure
+rules behind them: one fault gives one verdict, its consequences go into
+that verdict's ``evidence.consequences``.
+
+Multi-process tests are heavy: run them alone, under the shared lock, e.g.
+    flock /tmp/rankwatch-heavy.lock python -m pytest -q tests/test_verdict_rules.py -k uneven
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+
+import pytest
+
+from conftest import SCRIPTS, ddp_script, run_job
+from rankwatch import wire
+from rankwatch.collector.analyses import explain_away, hang
+from rankwatch.collector.analyses.common import iso
+from rankwatch.collector.evidence import RankEvidence
+from rankwatch.collector.state import Incident, RunState
+
+
+def _t(text: str) -> float:
+    return dt.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def _time_to_verdict(v: dict) -> float:
+    return round(_t(v["detected_at"]) - _t(v["first_seen_at"]), 2)
+
+
+def _one(job, kind: str) -> dict:
+    verdicts = job.verdicts()
+    assert len(verdicts) == 1, f"one fault, one verdict: {json.dumps(verdicts, indent=1)[:4000]}\n{job.output[-3000:]}"
+    assert verdicts[0]["kind"] == kind, json.dumps(verdicts, indent=1)[:4000]
+    return verdicts[0]
+
+
+# -- 1. uneven endings -------------------------------------------------------------------
+
+_UNEVEN = """
+import sys, time
+from torch.utils.data import DataLoader, Dataset
+
+MODE = {mode!r}
+rank = dist.get_rank()
+
+
+class Shard(Dataset):
+    # Each rank reads its own shard; rank 1's is shorter (uneven data), or
+    # holds a corrupt record.
+    def __init__(self, n):
+        self.x = torch.randn(n, 32, generator=torch.Generator().manual_seed(rank))
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        if MODE == "loader_exception" and rank == 1 and i == 8 * 16 + 3:
+            raise ValueError(f"corrupt record {{i}} in shard {{rank}}")
+        return self.x[i]
+
+
+def main():
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    batches = 8 if (MODE == "return" and rank == 1) else 40
+    loader = DataLoader(Shard(batches * 16), batch_size=16, num_workers=1 if MODE == "loader_exception" else 0)
+    for step, x in enumerate(loader):
+        if MODE == "sys_exit" and rank == 1 and step == 8:
+            print("rank 1: early stopping", flush=True)
+            sys.exit(0)
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        time.sleep(0.05)
+    # the data ran out ("return"): this rank leaves while its peers train on
+
+
+main()
+"""
+
+
+@pytest.mark.parametrize("mode", ["sys_exit", "return", "loader_exception"])
+def test_uneven_ending_names_the_rank_that_left(tmp_path, mode):
+    script = ddp_script(tmp_path, "uneven.py", _UNEVEN.format(mode=mode))
+    job = run_job(tmp_path, ["--nproc-per-node", "3", str(script)])
+    assert job.exit_code != 0, "the peers failed"
+    kind = "crash" if mode == "loader_exception" else "hang"
+    v = _one(job, kind)
+    assert v["ranks"] == [1], v
+    assert v["step"] == 8, v
+    consequences = v["evidence"]["consequences"]
+    assert {c["ranks"][0] for c in consequences if c["kind"] == "crash"} >= {0, 2}, consequences
+    if kind == "hang":
+        assert "exit code 0" in v["summary"] and "left the training loop" in v["summary"], v["summary"]
+    else:
+        assert "ValueError" in v["summary"] and "corrupt record" in v["summary"], v["summary"]
+    print(f"\n[{mode}] {v['kind']} on {v['ranks']} step {v['step']}: time to verdict {_time_to_verdict(v)} s; "
+          f"job {job.elapsed:.1f} s\n  {v['summary']}")
+
+
+# -- 2. consequences, not new verdicts --------------------------------------------------------
+
+_NAN_THEN_RAISE = """
+import time
+rank = dist.get_rank()
+torch.manual_seed(0)
+policy = DDP(torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4)))
+opt = torch.optim.Adam(policy.parameters(), lr=1e-3)
+g = torch.Generator().manual_seed(rank)
+for step in range(40):
+    obs = torch.randn(32, 16, generator=g)
+    pi = torch.distributions.Categorical(logits=policy(obs))  # raises on NaN logits
+    actions = pi.sample()
+    advantage = torch.randn(32, generator=g)
+    if rank == 1 and step == 6:
+        advantage[5] = float("nan")  # a NaN reward on one rank's rollout
+    loss = -(pi.log_prob(actions) * advantage).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    time.sleep(0.05)
+"""
+
+
+def test_nan_then_crash_on_every_rank_is_one_nonfinite_verdict(tmp_path):
+    script = ddp_script(tmp_path, "ppo_nan.py", _NAN_THEN_RAISE)
+    job = run_job(tmp_path, ["--nproc-per-node", "3", str(script)])
+    assert job.exit_code != 0, "the NaN weights made the script raise"
+    v = _one(job, "nonfinite")
+    assert v["ranks"] == [1] and v["step"] == 6, v
+    crashes = [c for c in v["evidence"]["consequences"] if c["kind"] == "crash"]
+    assert crashes and "ValueError" in json.dumps(crashes), v["evidence"]["consequences"]
+    print(f"\nnonfinite on {v['ranks']} step {v['step']}: time to verdict {_time_to_verdict(v)} s\n  {v['summary']}")
+
+
+def test_mismatch_then_the_culprits_own_abort_is_one_verdict(tmp_path, train_script):
+    """gloo aborts the rank with the extra small collective (SIGABRT): that
+    abort is the mismatch's consequence, not a second verdict."""
+    job = run_job(tmp_path, ["--nproc-per-node", "3", "--hang-timeout", "8", str(train_script),
+                             "--steps", "30", "--fault", "extra_small", "--fault-size", "8",
+                             "--fault-rank", "1", "--fault-step", "5"])
+    assert job.exit_code != 0
+    v = _one(job, "collective_mismatch")
+    assert v["ranks"] == [1] and v["step"] == 5, v
+    kinds = {c["kind"] for c in v["evidence"].get("consequences", [])}
+    assert kinds & {"crash", "hang"}, v["evidence"]
+    print(f"\ncollective_mismatch on {v['ranks']}: time to verdict {_time_to_verdict(v)} s; "
+          f"consequences {sorted(kinds)}\n  {v['summary']}")
+
+
+# -- 3. a rank frozen in C code with the GIL held --------------------------------------------
+
+_FROZEN = """
+import ctypes, time
+rank = dist.get_rank()
+model = DDP(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4)))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+libc = ctypes.PyDLL(None)  # PyDLL: the call keeps the GIL, as a C extension that never releases it
+mutex = ctypes.create_string_buffer(64)  # a zeroed pthread mutex (glibc's static initializer)
+
+
+def native_update(tensor):
+    # A C routine that deadlocks on its own (non-recursive) lock: no signal
+    # ends the wait, and every other Python thread of the process stops too.
+    libc.pthread_mutex_lock(mutex)
+    if rank == 1 and step == 6:
+        libc.pthread_mutex_lock(mutex)
+    libc.pthread_mutex_unlock(mutex)
+
+
+for step in range(200):
+    x = torch.randn(16, 32)
+    loss = model(x).pow(2).mean()
+    native_update(loss)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    time.sleep(0.05)
+"""
+
+
+def test_rank_frozen_holding_the_gil_is_the_hung_rank(tmp_path):
+    script = ddp_script(tmp_path, "frozen.py", _FROZEN)
+    job = run_job(tmp_path, ["--nproc-per-node", "3", "--hang-timeout", "8", str(script)])
+    assert job.exit_code != 0, "rankwatch ends a hung job"
+    v = _one(job, "hang")
+    assert v["ranks"] == [1], v
+    assert v["step"] == 6, v
+    assert "frozen" in v["summary"] and "GIL" in v["summary"], v["summary"]
+    assert "frozen.py" in v["summary"] and "pthread_mutex_lock" in v["summary"], v["summary"]
+    assert _time_to_verdict(v) <= 8 + 5
+    print(f"\nhang on {v['ranks']} step {v['step']}: time to verdict {_time_to_verdict(v)} s\n  {v['summary']}")
+
+
+# -- the pure rules (no processes) ------------------------------------------------------------
+
+
+def _verdict(kind, ranks, at, step=None, detected=None, evidence=None, summary="x"):
+    return wire.Verdict(kind=kind, ranks=ranks, step=step, first_seen_at=iso(at),
+                        detected_at=iso(detected if detected is not None else at + 1), summary=summary,
+                        evidence=evidence or {})
+
+
+T = 1_700_000_000.0
+
+
+def test_explain_away_nonfinite_absorbs_a_later_crash_on_every_rank():
+    nan = _verdict("nonfinite", [1], T, step=6)
+    crash = _verdict("crash", [0, 1, 2], T + 2, step=7, summary="ValueError: ... found invalid values")
+    out = explain_away([crash, nan])
+    assert [v.kind for v in out] == ["nonfinite"]
+    assert out[0].evidence["consequences"][0]["kind"] == "crash"
+    again = explain_away(out + [crash])  # idempotent: a re-run adds nothing twice
+    assert len(again) == 1 and len(again[0].evidence["consequences"]) == 1
+    assert again[0].summary == out[0].summary
+
+
+def test_explain_away_keeps_an_unrelated_crash_on_one_rank():
+    nan = _verdict("nonfinite", [1], T, step=6)
+    crash = _verdict("crash", [2], T + 30, step=40, summary="FileNotFoundError: checkpoint.pt")
+    assert sorted(v.kind for v in explain_away([nan, crash])) == ["crash", "nonfinite"]
+
+
+def test_explain_away_mismatch_absorbs_the_culprits_own_abort_and_the_hang():
+    mismatch = _verdict("collective_mismatch", [2], T, step=5)
+    abort = _verdict("crash", [2], T + 0.5, step=5, summary="killed by SIGABRT")
+    hang_v = _verdict("hang", [2], T - 0.2, step=5, detected=T + 9)
+    out = explain_away([hang_v, abort, mismatch])
+    assert [v.kind for v in out] == ["collective_mismatch"]
+    assert sorted(c["kind"] for c in out[0].evidence["consequences"]) == ["crash", "hang"]
+
+
+def test_explain_away_a_crash_that_made_peers_wait_is_the_root_of_the_hang():
+    crash = _verdict("crash", [3], T + 1, step=9)
+    hang_v = _verdict("hang", [3], T, step=9, detected=T + 30,
+                      evidence={"ranks": {"3": {"exited": True, "exited_at": T + 1}}})
+    out = explain_away([hang_v, crash])
+    assert [v.kind for v in out] == ["crash"]
+
+
+def test_explain_away_a_hang_absorbs_its_victims_crash():
+    hang_v = _verdict("hang", [1], T, step=8, evidence={"ranks": {"1": {"exited": True, "exited_at": T}}})
+    crash = _verdict("crash", [0], T + 0.3, step=8, summary="Connection closed by peer")
+    out = explain_away([crash, hang_v])
+    assert [v.kind for v in out] == ["hang"]
+
+
+def test_explain_away_leak_absorbs_its_own_slowdown_not_a_peers():
+    growth = _verdict("memory_growth", [0], T, step=3)
+    own = _verdict("straggler", [0], T + 5, step=10)
+    other = _verdict("straggler", [2], T + 5, step=10)
+    assert [v.kind for v in explain_away([own, growth])] == ["memory_growth"]
+    assert sorted(v.kind for v in explain_away([other, growth])) == ["memory_growth", "straggler"]
+
+
+def _frozen_run(frozen_seq: int, waiting_seq: int) -> tuple[RunState, Incident]:
+    run = RunState(run_id="r", world_size=3)
+    incident = Incident(id="hang-1", kind="hang", opened_at=T + 20, last_progress_at=T, ready=True,
+                        details={"diagnosed_at": T + 22})
+    run.incidents.append(incident)
+    waiting = [{"file": "/x/train.py", "line": 30, "name": "main", "code": "loss.backward()"},
+               {"file": "/usr/lib/python3/site-packages/torch/autograd/graph.py", "line": 5, "name": "_engine_run_backward"}]
+    frozen = [{"file": "/x/train.py", "line": 28, "name": "main", "code": "native_update(loss)"},
+              {"file": "/x/train.py", "line": 12, "name": "native_update", "code": "libc.pthread_mutex_lock(mutex)"}]
+    for r in range(3):
+        state = run.rank(r)
+        state.step, state.phase = 6, "forward"
+        state.last_heartbeat_at = T + 19.5 if r != 1 else T + 1
+        is_frozen = r == 1
+        ev = RankEvidence(rank=r, reason="hang", created_at=T + 21, source="supervisor" if is_frozen else "agent",
+                          stacks=[{"main": True, "frames": frozen if is_frozen else waiting,
+                                   "owns_gil": True if is_frozen else None}],
+                          pg_enqueued={"0": frozen_seq if is_frozen else waiting_seq})
+        if is_frozen:
+            ev.native_stacks = ('Thread 7 (idle): "MainThread"\n    __lll_lock_wait (libc.so.6)\n'
+                                '    pthread_mutex_lock (libc.so.6)\n    ffi_call (libffi.so.8)\n'
+                                '    native_update (train.py:12)\n')
+        state.evidence["hang-1"] = ev
+    return run, incident
+
+
+def test_frozen_rank_outranks_the_sequence_numbers():
+    """The frozen rank's last report is ahead of the peers that wait for it
+    (it enqueued an asynchronous collective before it froze): the frozen
+    rank, not a waiting peer, is the hung rank."""
+    run, incident = _frozen_run(frozen_seq=41, waiting_seq=40)
+    v = hang.diagnose(run, incident)
+    assert v.ranks == [1], v.summary
+    assert "GIL" in v.summary and "pthread_mutex_lock" in v.summary, v.summary
+
+
+def test_a_stale_rank_waiting_in_a_collective_is_not_frozen():
+    run, incident = _frozen_run(frozen_seq=39, waiting_seq=40)
+    ev = run.ranks[1].evidence["hang-1"]
+    ev.stacks = [{"main": True, "owns_gil": False, "frames": [
+        {"file": "/x/train.py", "line": 30, "name": "main", "code": "loss.backward()"},
+        {"file": "/site-packages/torch/autograd/graph.py", "line": 5, "name": "_engine_run_backward"}]}]
+    v = hang.diagnose(run, incident)
+    assert v.ranks == [1]  # still the rank behind, by the sequence numbers
+    assert "never reached collective #40" in v.summary, v.summary
