@@ -255,7 +255,7 @@ class NodeSupervisor:
         if any(line and not line.startswith(MAIN_MARK) for line in text.splitlines()):
             text = redact_text(text[-200_000:])
             members["faulthandler.txt"] = text
-            members["stacks.json"] = parse(text)
+            members["stacks.json"] = with_source(parse(text))
         if members:
             step = box["step"] if box else None
             self._send_bundle(worker, f"postmortem-r{worker.rank}", "crash", members, [], step=step)
@@ -333,7 +333,8 @@ def _pyspy_to_stacks(threads: list[dict[str, Any]], pid: int) -> list[dict[str, 
     out = []
     for thread in threads:
         frames = [
-            {"file": f.get("filename", ""), "line": f.get("line", 0), "name": f.get("name", ""), "code": ""}
+            {"file": f.get("filename", ""), "line": f.get("line", 0), "name": f.get("name", ""),
+             "code": source_line(f.get("filename", ""), f.get("line", 0))}
             for f in reversed(thread.get("frames") or [])  # py-spy lists innermost first
         ]
         out.append({
@@ -348,6 +349,28 @@ def _pyspy_to_stacks(threads: list[dict[str, Any]], pid: int) -> list[dict[str, 
     if out and not any(t["main"] for t in out):
         out[0]["main"] = True
     return out
+
+
+def source_line(filename: Any, line: Any) -> str:
+    """The source text of a frame, read here (same host as the worker) as the
+    worker's own traceback would: py-spy and faulthandler give only file and
+    line, and a hang summary without the line is much less useful."""
+    import linecache
+
+    try:
+        if not isinstance(filename, str) or not filename.endswith(".py") or not isinstance(line, int) or line <= 0:
+            return ""
+        return linecache.getline(filename, line).strip()[:200]
+    except Exception:
+        return ""
+
+
+def with_source(threads: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    for thread in threads:
+        for frame in thread.get("frames") or []:
+            if not frame.get("code"):
+                frame["code"] = source_line(frame.get("file"), frame.get("line"))
+    return threads
 
 
 def faulthandler_dump(run_dir: Path, worker: Worker, wait: float = 1.0) -> str:
