@@ -2,6 +2,12 @@
 
 PATH may be a run dir (index + bundles), a folder of bundles, or one bundle
 archive. Needs neither the network nor torch.distributed.
+
+Everything is opened read-only: the index through SQLite's read-only /
+immutable URI (``collector.sqlite`` stays byte-identical, nothing is created
+next to it), bundles through the bounded reader. A corrupt or foreign index,
+or a bad bundle, is a warning naming the file and the analysis goes on with
+what is readable; nothing readable at all is an AnalyzeError (exit 2).
 """
 
 from __future__ import annotations
@@ -9,6 +15,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 from typing import Optional
+
+import sqlite3
 
 from rankwatch import wire
 from rankwatch.bundles import BundleError, read_path
@@ -22,11 +30,16 @@ class AnalyzeError(ValueError):
     pass
 
 
+MAX_BUNDLES = 20_000  # per analysis: a run dir of 10,000 ranks x 2 incidents
+
+
 def _bundle_files(root: Path) -> list[Path]:
     if root.is_file():
         return [root]
     found = []
     for path in sorted(root.rglob("*")):
+        if len(found) >= MAX_BUNDLES:
+            break
         if path.is_symlink():
             continue
         if path.is_file() and path.name.endswith((".tar.gz", ".tgz")):
@@ -45,18 +58,12 @@ def load(path: Path) -> tuple[RunState, list[str]]:
     run: Optional[RunState] = None
     index = path / "collector.sqlite" if path.is_dir() else None
     if index is not None and index.is_file():
-        store = Store(index)
-        try:
-            ids = store.run_ids()
-            if ids:
-                run = store.load_run(ids[-1])
-        finally:
-            store.close()
+        run = _load_index(index, problems)
     bundles = []
     for file in _bundle_files(path):
         try:
             bundles.append(read_path(file))
-        except (BundleError, OSError) as exc:
+        except (BundleError, wire.WireError, OSError) as exc:
             problems.append(f"{file}: {exc}")
     if run is None:
         if not bundles:
@@ -73,12 +80,36 @@ def load(path: Path) -> tuple[RunState, list[str]]:
         if m.run_id != run.run_id:
             problems.append(f"{bundle.source_path}: belongs to run {m.run_id}, not {run.run_id}; skipped")
             continue
-        merge_bundle(run, bundle)
+        try:
+            merge_bundle(run, bundle)
+        except Exception as exc:  # validated already: a defect, reported, not fatal
+            problems.append(f"{bundle.source_path}: evidence not merged ({type(exc).__name__}: {exc})")
+            continue
         if m.reason == "hang" and m.incident and m.incident not in seen_incidents:
             seen_incidents.add(m.incident)
             run.incidents.append(_hang_incident_from_bundles(run, m.incident, bundles))
     run.finished = True
     return run, problems
+
+
+def _load_index(index: Path, problems: list[str]) -> Optional[RunState]:
+    """The last run of a collector index, read-only; None (with a problem
+    said) when the file is not a readable rankwatch index."""
+    store = None
+    try:
+        store = Store(index, readonly=True)
+        ids = store.run_ids()
+        return store.load_run(ids[-1]) if ids else None
+    except (sqlite3.Error, ValueError, TypeError, KeyError, IndexError) as exc:
+        problems.append(f"{index}: not a readable rankwatch index ({type(exc).__name__}: {exc}); "
+                        f"analysing the bundles only")
+        return None
+    finally:
+        if store is not None:
+            try:
+                store.close()
+            except Exception:
+                pass
 
 
 def _hang_incident_from_bundles(run: RunState, incident: str, bundles) -> Incident:
@@ -111,10 +142,11 @@ def _detected_at(path: Path) -> dict[tuple[str, str], str]:
     report_file = path / "report.json" if path.is_dir() else None
     if report_file is None or not report_file.is_file():
         return {}
-    import json
-
     try:
-        data = json.loads(report_file.read_text())
-        return {(v["kind"], ",".join(map(str, v["ranks"]))): v["detected_at"] for v in data.get("verdicts", [])}
-    except (ValueError, KeyError, TypeError):
+        if report_file.stat().st_size > wire.MAX_MESSAGE_BYTES:
+            return {}
+        data = wire.parse_json(report_file.read_bytes(), "report.json")
+        return {(str(v["kind"]), ",".join(map(str, v["ranks"]))): str(v["detected_at"])
+                for v in data.get("verdicts", [])}
+    except (ValueError, KeyError, TypeError, AttributeError, OSError):
         return {}

@@ -30,6 +30,8 @@ from .redact import redact_text
 
 FAULTHANDLER_SIGNAL = signal.SIGUSR2
 PYSPY_TIMEOUT = 8.0
+SPOOL_RETRY_S = 5.0
+MAX_CAPTURES = 1000  # incidents one launcher captures stacks for (a collector cannot make it spawn without end)
 
 
 @dataclass
@@ -114,6 +116,7 @@ class NodeSupervisor:
         self._pyspy = shutil.which("py-spy")
         self._lock = threading.Lock()
         self._post_mortems: list[threading.Thread] = []
+        self._spool_checked = 0.0
 
     # -- lifecycle ---------------------------------------------------------------
     def start(self) -> None:
@@ -195,13 +198,60 @@ class NodeSupervisor:
             raw = self.post("/v1/nodes", wire.dumps(node), "application/json")
             reply = wire.decode(wire.Reply, raw)
         except Exception:
-            return  # the collector may be down: the launcher still writes a report
+            return  # the collector may be down (or answers garbage): the launcher still writes a report
+        self._resend_spool()  # the collector answers: what could not be sent before goes now
         for command in reply.commands:
-            if command.kind == "capture" and command.incident not in self._captured:
+            try:
+                self._command(command, finished)
+            except Exception as exc:  # a bad command never reaches the launcher
+                _log(f"ignoring a command the supervisor cannot follow ({type(exc).__name__}: {exc})")
+
+    def _command(self, command: wire.Command, finished: bool) -> None:
+        if command.kind == "capture":
+            # The incident id names a spool folder: the wire pattern (no "..",
+            # no separators) is checked here too, not only by the decoder.
+            if not wire.valid_id(command.incident):
+                _log(f"ignoring a capture for an invalid incident id {command.incident!r:.80}")
+                return
+            if command.incident not in self._captured and len(self._captured) < MAX_CAPTURES:
                 self._captured.add(command.incident)
                 threading.Thread(target=self.capture, args=(command,), name="rankwatch-capture", daemon=True).start()
-            elif command.kind == "abort" and not self.aborted and not finished:
-                self.abort(command.reason)
+        elif command.kind == "abort" and not self.aborted and not finished:
+            self.abort(redact_text(str(command.reason))[:500])
+
+    def _spool_path(self, incident: str, rank: int) -> Optional[Path]:
+        """Where an unsent bundle waits: always under <run-dir>/spool."""
+        if not wire.valid_id(incident):
+            return None
+        root = (self.run_dir / "spool").resolve()
+        path = (root / incident / f"rank-{rank:05d}.supervisor.tar.gz").resolve()
+        if path.parent.parent != root:
+            return None
+        return path
+
+    def _resend_spool(self) -> None:
+        """Spooled supervisor bundles (collector down, or restarted) are sent
+        once it answers again; at most every few seconds, a few at a time."""
+        now = time.monotonic()
+        if now - self._spool_checked < SPOOL_RETRY_S:
+            return
+        self._spool_checked = now
+        spool = self.run_dir / "spool"
+        try:
+            files = sorted(spool.glob("*/rank-*.supervisor.tar.gz"))[:16]
+        except OSError:
+            return
+        for path in files:
+            if path.is_symlink():
+                continue
+            try:
+                self.post("/v1/bundles", path.read_bytes(), "application/gzip")
+            except Exception:
+                return  # still down (or refused): try again later
+            try:
+                path.unlink()
+            except OSError:
+                pass
 
     # -- actions ---------------------------------------------------------------------
     def abort(self, reason: str, grace: float = 5.0) -> None:
@@ -271,13 +321,22 @@ class NodeSupervisor:
         try:
             self.post("/v1/bundles", archive, "application/gzip")
         except Exception:
-            spool = self.run_dir / "spool" / incident / f"rank-{worker.rank:05d}.supervisor.tar.gz"
-            spool.parent.mkdir(parents=True, exist_ok=True)
-            spool.write_bytes(archive)
+            spool = self._spool_path(incident, worker.rank)
+            if spool is None:
+                _log(f"bundle of rank {worker.rank} not kept: invalid incident id {incident!r:.80}")
+                return
+            try:
+                spool.parent.mkdir(parents=True, exist_ok=True)
+                tmp = spool.with_name(spool.name + ".tmp")
+                tmp.write_bytes(archive)
+                tmp.replace(spool)
+            except OSError as exc:  # disk full, read-only run dir: the evidence is lost, the job goes on
+                _log(f"bundle of rank {worker.rank} lost: cannot spool it ({type(exc).__name__}: {exc})")
 
     def capture(self, command: wire.Command) -> None:
         targets = [w for w in self.workers.values() if w.alive and (not command.ranks or w.rank in command.ranks)]
-        stale = set(command.details.get("stale", [])) if isinstance(command.details, dict) else set()
+        raw_stale = command.details.get("stale", []) if isinstance(command.details, dict) else []
+        stale = {r for r in raw_stale if isinstance(r, int)} if isinstance(raw_stale, list) else set()
         threads = [threading.Thread(target=self._capture_one, args=(w, command, w.rank in stale), daemon=True)
                    for w in targets]
         for t in threads:
