@@ -10,6 +10,8 @@ run this file).
 """
 
 import argparse
+import os
+import signal
 import time
 
 import torch
@@ -39,6 +41,8 @@ def train_loop_per_worker(config):
             time.sleep(3600)  # stuck in compute before the backward
         if config["fault"] == "crash" and faulty and step == config["fault_step"]:
             raise RuntimeError("injected failure: bad batch")
+        if config["fault"] == "sigkill" and faulty and step == config["fault_step"]:
+            os.kill(os.getpid(), signal.SIGKILL)  # the kernel's OOM killer, an operator's kill -9
         loss.backward()
         opt.step()
         time.sleep(config["step_time"])
@@ -49,17 +53,18 @@ def main():
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--step-time", type=float, default=0.02)
-    p.add_argument("--fault", default="none", choices=("none", "hang", "crash", "nan", "slow"))
+    p.add_argument("--fault", default="none", choices=("none", "hang", "crash", "nan", "slow", "sigkill"))
     p.add_argument("--fault-rank", type=int, default=1)
     p.add_argument("--fault-step", type=int, default=5)
     p.add_argument("--storage", default="/tmp/ray_results")
     p.add_argument("--name", default="rankwatch-demo")
-    p.add_argument("--no-rankwatch", action="store_true", help="the same job without rankwatch (baseline)")
+    p.add_argument("--no-callback", action="store_true",
+                   help="leave out the line (the baseline without rankwatch, or RAY_TRAIN_CALLBACKS instead)")
     a = p.parse_args()
     config = {"steps": a.steps, "step_time": a.step_time, "fault": a.fault, "fault_rank": a.fault_rank,
               "fault_step": a.fault_step}
     callbacks = []
-    if not a.no_rankwatch:
+    if not a.no_callback:
         # --- README snippet begin ---
         from rankwatch.ray import RankwatchCallback
 

@@ -34,9 +34,9 @@ Imports are absolute: this module is ``rankwatch.ray`` and must not shadow ``ray
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-import re
 import secrets
 import signal
 import socket
@@ -85,8 +85,6 @@ def _guarded(hook: Callable[..., Any]) -> Callable[..., Any]:
     """A rankwatch failure must never fail the user's run: Ray turns any
     exception in a callback into a ControllerError that ends training. Only
     `RankwatchAbort` (a decision, not a failure) goes through."""
-    import functools
-
     @functools.wraps(hook)
     def wrapper(self, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -302,9 +300,20 @@ class RankwatchCallback(ControllerCallback, WorkerGroupCallback, WorkerCallback)
                 if cause == "actor died":
                     newly_dead.append(info)
         for info in newly_dead:
+            # Ray gives the controller "the actor died", never the exit status.
+            # A fatal signal Python's faulthandler caught (SIGSEGV, SIGABRT, ...)
+            # is in the agent's fatal file, which the node's helper reads; a
+            # death that left no record there is reported as SIGKILL (the OOM
+            # killer, kill -9), the one signal no process can record.
+            code = -int(signal.SIGKILL)
             helper = self._helpers.get(info.node_id)
             if helper is not None:
-                helper.post_mortem.remote(_as_dict(info))
+                try:
+                    code = ray.get(helper.post_mortem.remote(_as_dict(info)), timeout=5.0) or code
+                except Exception:
+                    pass
+            with self._lock:
+                info.exit_code = code
         self._report_nodes(finished=False)
         if self._abort is not None:
             raise self._abort
@@ -482,6 +491,8 @@ def _attach_in_worker(attempt: int) -> None:
     original_run = runner.run
 
     def run(target: Callable[[], Any]) -> None:
+        # Same name as Ray's own target: Ray names the thread and logs after it.
+        @functools.wraps(target)
         def train_fn_watched_by_rankwatch():
             from rankwatch.agent import stacks
 
@@ -541,9 +552,26 @@ class _NodeHelper:
         sup.capture(wire.decode(wire.Command, command))
         return len(workers)
 
-    def post_mortem(self, info: dict[str, Any]) -> None:
+    def post_mortem(self, info: dict[str, Any]) -> Optional[int]:
+        """Send the dead worker's black box and fatal stacks; return minus the
+        fatal signal its faulthandler recorded, if any."""
         self.supervisor.node_rank = int(info["node_rank"])
         self.supervisor.post_mortem(self._worker(info))
+        path = Path(self.supervisor.run_dir) / "stacks" / f"rank-{int(info['rank']):05d}.fatal.txt"
+        try:
+            text = path.read_text(errors="replace")[-200_000:]
+        except OSError:
+            return None
+        for message, sig in _FATAL_SIGNALS.items():
+            if f"Fatal Python error: {message}" in text:
+                return -int(sig)
+        return None
+
+
+# What faulthandler prints for each fatal signal it handles.
+_FATAL_SIGNALS = {"Segmentation fault": signal.SIGSEGV, "Aborted": signal.SIGABRT, "Bus error": signal.SIGBUS,
+                  "Floating-point exception": signal.SIGFPE, "Floating point exception": signal.SIGFPE,
+                  "Illegal instruction": signal.SIGILL}
 
 
 def mark_training_thread(threads: list[dict[str, Any]]) -> None:
@@ -573,14 +601,10 @@ def _exit_of(status) -> tuple[Optional[int], str]:
         return None, ""  # still there, only slow to answer Ray
     if isinstance(error, UserExceptionWithTraceback):
         return 1, "exception"  # the agent reported the exception itself
-    # The actor died (a signal, os._exit, the OOM killer). Ray tells the
-    # controller that, not the process's exit status; a signal is named when
-    # Ray's message names one.
-    text = str(error)
-    match = re.search(r"\b(SIG[A-Z]+)\b", text)
-    if match and hasattr(signal, match.group(1)) and "potential root causes" not in text:
-        return -int(getattr(signal, match.group(1))), "actor died"
-    return 1, "actor died"
+    # The actor died (a signal, os._exit, the OOM killer): Ray's message lists
+    # possible causes, not the exit status; the controller asks the node's
+    # helper for what the process recorded (see after_worker_group_poll_status).
+    return -int(signal.SIGKILL), "actor died"
 
 
 def _as_dict(info: _WorkerInfo) -> dict[str, Any]:
