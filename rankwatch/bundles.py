@@ -492,8 +492,9 @@ _IN_FLIGHT = obj(op=STR, numel=opt(INT), entered_at=opt(NUM), callsite=opt(STR))
 _PROGRESS = obj(step=opt(INT), forwards=opt(INT), phase=opt(STR), phase_since=opt(NUM), last_progress_at=opt(NUM),
                 started_at=opt(NUM), pid=opt(INT), collective=opt(_IN_FLIGHT))
 _MARK = obj(step=INT, seqs=dict_of(INT))
-_PG_STATUS = dict_of(obj(enqueued=opt(INT), completed=opt(INT), last_enqueued_collective=opt(INT),
-                         last_completed_collective=opt(INT), last_started_collective=opt(INT)))
+_SEQ = either(INT, STR)  # torch's Flight Recorder writes pg_status sequence numbers as strings ("12")
+_PG_STATUS = dict_of(obj(enqueued=opt(INT), completed=opt(INT), last_enqueued_collective=opt(_SEQ),
+                         last_completed_collective=opt(_SEQ), last_started_collective=opt(_SEQ)))
 _FR_ENTRY = obj(process_group=opt(lst(SCALAR)), pg_id=opt(SCALAR), profiling_name=opt(STR),
                 collective_seq_id=opt(INT), input_sizes=opt(lst(either(lst(INT), INT))), input_dtypes=opt(lst(STR)),
                 time_created_ns=opt(INT), retired=opt(BOOL), thread_id=opt(SCALAR), is_p2p=opt(BOOL))
