@@ -407,3 +407,26 @@ def test_hang_on_one_rank_is_named_with_its_global_rank_and_host(cluster):
     assert [(v["kind"], v["ranks"]) for v in json.loads(offline.stdout)["verdicts"]] == [("hang", [1])], offline.stdout
     print(f"\nnetns hang: verdict on rank 1 ({culprit_host}); both pods ended {elapsed:.1f}s after start "
           f"({time.time() - started:.1f}s with setup); hang timeout {cluster.values['job']['hangTimeout']} s")
+
+
+def test_collector_stops_within_its_grace_period_and_keeps_every_run(cluster):
+    """Kubernetes sends SIGTERM and waits terminationGracePeriodSeconds: the collector must be gone
+    by then, its index committed on the volume with every run it had."""
+    status, before = cluster.get("/v1/status", cluster.rendered.token)
+    assert status == 200
+    runs = set(before["runs"])
+    with helm.Chart.load(str(CHART)) as chart:
+        sts_grace = chart.merge_values(cluster.values)["collector"]["terminationGracePeriodSeconds"]
+    started = time.time()
+    cluster.collector.send_signal(signal.SIGTERM)
+    code = cluster.collector.wait(timeout=sts_grace)
+    took = time.time() - started
+    assert code == 0, (cluster.tmp / "collector.log").read_text()[-3000:]
+    from rankwatch.collector.store import Store
+
+    store = Store(Path(cluster.values["collector"]["dataDir"]) / "collector.sqlite")
+    try:
+        assert runs <= set(store.run_ids()), (runs, store.run_ids())
+    finally:
+        store.close()
+    print(f"\ncollector: SIGTERM to exit {took:.2f}s (grace {sts_grace}s), {len(runs)} run(s) kept")
