@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
 def analyze(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="rankwatch analyze",
                                      description="Rebuild the report of a run from its run dir or bundles.")
-    parser.add_argument("path", help="a run dir, a folder of bundles, or one bundle archive")
+    parser.add_argument("path", help="a run dir, a folder of bundles, one bundle archive, or a run on a "
+                                     "collector: http://HOST:PORT/runs/RUN_ID (token from RANKWATCH_TOKEN)")
     parser.add_argument("--json", action="store_true", help="print report.json instead of text")
     parser.add_argument("--plot", metavar="FILE.png", help="draw the run's per-rank picture (matplotlib)")
     parser.add_argument("--tensorboard", metavar="DIR", help="write per-rank series and verdicts for TensorBoard")
@@ -77,7 +78,12 @@ def analyze(argv: list[str]) -> int:
     from rankwatch.collector.offline import AnalyzeError, analyze_path
 
     try:
-        report = analyze_path(Path(args.path))
+        if args.path.startswith(("http://", "https://")):
+            if args.plot or args.tensorboard:
+                raise AnalyzeError("--plot and --tensorboard need the run dir (kubectl cp it, then analyze it)")
+            report = fetch_report(args.path, os.environ.get("RANKWATCH_TOKEN"))
+        else:
+            report = analyze_path(Path(args.path))
     except AnalyzeError as exc:
         print(f"rankwatch analyze: {exc}", file=sys.stderr)
         return 2
@@ -104,10 +110,51 @@ def analyze(argv: list[str]) -> int:
                 print(f"rankwatch analyze: {exc}", file=sys.stderr)
                 return 2
     if args.json:
-        print(json.dumps(wire.to_dict(report), indent=2))
+        print(wire.json_text(wire.to_dict(report), indent=2))  # strict JSON
     else:
         print(report_mod.text(report))
     return 0
+
+
+def fetch_report(url: str, token: str | None, timeout: float = 30.0) -> wire.Report:
+    """The current report of a run from a collector's HTTP API.
+
+    ``http://HOST:PORT/runs/RUN_ID`` (or ``.../v1/runs/RUN_ID[/report]``). The
+    answer is untrusted: decoded and checked by the wire layer. Redirects are
+    not followed, so the token never goes to another address.
+    """
+    import re
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    from rankwatch.collector.offline import AnalyzeError
+
+    parts = urllib.parse.urlsplit(url)
+    match = re.fullmatch(r"/*(?:v1/)?runs/([^/]+)(?:/report)?/*", parts.path)
+    if not match or not wire.ID_PATTERN.match(match.group(1)):
+        raise AnalyzeError(f"{url}: expected http://HOST:PORT/runs/RUN_ID")
+    endpoint = urllib.parse.urlunsplit((parts.scheme, parts.netloc, f"/v1/runs/{match.group(1)}/report", "", ""))
+
+    class NoRedirect(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, *args, **kwargs):
+            return None
+
+    request = urllib.request.Request(endpoint)
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.build_opener(NoRedirect).open(request, timeout=timeout) as response:
+            raw = response.read(wire.MAX_MESSAGE_BYTES + 1)
+    except urllib.error.HTTPError as exc:
+        hint = " (set RANKWATCH_TOKEN)" if exc.code in (401, 403) else ""
+        raise AnalyzeError(f"{endpoint}: HTTP {exc.code}{hint}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise AnalyzeError(f"{endpoint}: {getattr(exc, 'reason', exc)}") from None
+    try:
+        return wire.loads(wire.Report, raw)
+    except wire.WireError as exc:
+        raise AnalyzeError(f"{endpoint}: not a rankwatch report ({exc})") from None
 
 
 def collector(argv: list[str]) -> int:
@@ -120,17 +167,29 @@ def collector(argv: list[str]) -> int:
     serve.add_argument("--config", default=None, help="YAML file with rankwatch settings")
     serve.add_argument("--hang-timeout", dest="hang_timeout", default=None)
     serve.add_argument("--on-hang", dest="on_hang", choices=("abort", "wait"), default=None)
+    serve.add_argument("--token", default=None,
+                       help="bearer token required on every endpoint but /healthz (or RANKWATCH_TOKEN)")
+    serve.add_argument("--metrics-open", dest="metrics_open", action="store_true", default=None,
+                       help="serve /metrics without the token (or RANKWATCH_METRICS_OPEN=1)")
+    serve.add_argument("--server", choices=("aiohttp", "stdlib"), default="aiohttp",
+                       help="HTTP server: aiohttp (default, for many nodes) or the standard library's")
     args = parser.parse_args(argv)
     from rankwatch.collector import Collector, CollectorServer
 
     cfg = config_mod.load(flags={"hang_timeout": args.hang_timeout, "on_hang": args.on_hang,
-                                 "bind": args.host}, file=args.config)
+                                 "bind": args.host, "token": args.token, "metrics_open": args.metrics_open},
+                          file=args.config)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from rankwatch.collector.metrics import CollectorMetrics
 
     service = Collector(config=cfg, data_dir=Path(args.data_dir))
     metrics = CollectorMetrics(service)
-    server = CollectorServer(service, host=cfg.bind, port=args.port, token=cfg.token, metrics_handler=metrics.render)
+    if args.server == "aiohttp":
+        from rankwatch.collector.server import AsyncCollectorServer as server_class
+    else:
+        server_class = CollectorServer
+    server = server_class(service, host=cfg.bind, port=args.port, token=cfg.token, metrics_handler=metrics.render,
+                          metrics_open=cfg.metrics_open)
     service.start()
     server.start()
     print(f"rankwatch collector listening on {server.url} (data in {args.data_dir})", flush=True)

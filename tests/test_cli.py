@@ -59,3 +59,32 @@ def test_on_kind_ignore_silences_that_kind_only():
     assert config_mod.ignored_kinds(cfg) == {"straggler"}
     with pytest.raises(config_mod.ConfigError):
         config_mod.load(env={"RANKWATCH_ON_STRAGGLER": "silence"})
+
+
+def test_analyze_reads_a_run_from_a_collector_over_http(tmp_path):
+    import time as _time
+
+    from rankwatch import wire
+    from rankwatch.collector import Collector, CollectorServer
+    from rankwatch.config import Config
+
+    collector = Collector(config=Config(), data_dir=tmp_path)
+    server = CollectorServer(collector, host="127.0.0.1", port=0, token="s3cret-token").start()
+    try:
+        hb = wire.Heartbeat(identity=wire.RankIdentity(run_id="job-7", rank=0, local_rank=0, world_size=1),
+                            sent_at=_time.time(), step=3)
+        collector.ingest_heartbeat(hb)
+        cli = [sys.executable, "-m", "rankwatch.cli", "analyze", "--json"]
+        env = {k: v for k, v in __import__("os").environ.items() if k != "RANKWATCH_TOKEN"}
+        ok = subprocess.run(cli + [f"{server.url}/runs/job-7"], capture_output=True, text=True,
+                            env={**env, "RANKWATCH_TOKEN": "s3cret-token"})
+        assert ok.returncode == 0, ok.stderr
+        report = __import__("json").loads(ok.stdout)
+        assert report["run_id"] == "job-7" and report["status"] == "healthy"
+        denied = subprocess.run(cli + [f"{server.url}/runs/job-7"], capture_output=True, text=True, env=env)
+        assert denied.returncode == 2 and "401" in denied.stderr and "RANKWATCH_TOKEN" in denied.stderr
+        bad = subprocess.run(cli + [f"{server.url}/runs/..%2f"], capture_output=True, text=True, env=env)
+        assert bad.returncode == 2 and "expected http://HOST:PORT/runs/RUN_ID" in bad.stderr
+    finally:
+        server.stop()
+        collector.stop()
