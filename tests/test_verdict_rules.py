@@ -33,7 +33,17 @@ def _one(job, kind: str) -> dict:
     verdicts = job.verdicts()
     assert len(verdicts) == 1, f"one fault, one verdict: {json.dumps(verdicts, indent=1)[:4000]}\n{job.output[-3000:]}"
     assert verdicts[0]["kind"] == kind, json.dumps(verdicts, indent=1)[:4000]
+    _same_offline(job)
     return verdicts[0]
+
+
+def _same_offline(job) -> None:
+    """`rankwatch analyze` on the run dir gives the verdicts of the live run."""
+    from rankwatch.collector.offline import analyze_path
+
+    offline = wire.to_dict(analyze_path(job.run_dir))
+    live = [(v["kind"], v["ranks"], v["step"]) for v in job.verdicts()]
+    assert [(v["kind"], v["ranks"], v["step"]) for v in offline["verdicts"]] == live, offline["verdicts"]
 
 
 # -- 1. uneven endings -------------------------------------------------------------------
@@ -301,3 +311,30 @@ def test_a_stale_rank_waiting_in_a_collective_is_not_frozen():
     v = hang.diagnose(run, incident)
     assert v.ranks == [1]  # still the rank behind, by the sequence numbers
     assert "never reached collective #40" in v.summary, v.summary
+
+
+# -- 4. the hang summary always quotes the source line -------------------------------------------
+
+
+def test_stacks_taken_from_outside_carry_the_source_line(train_script):
+    """py-spy and faulthandler give file and line only; when the agent's own
+    bundle misses the evidence window (a loaded machine), the summary is
+    built from them and must still quote the line."""
+    from rankwatch.collector.analyses.common import where
+    from rankwatch.collector.evidence import fill_source
+    from rankwatch.supervisor import _pyspy_to_stacks, with_source
+
+    lines = train_script.read_text().splitlines()
+    line = next(i for i, text in enumerate(lines, 1) if "time.sleep(3600)" in text and "compute" in text)
+    pyspy = [{"thread_name": "MainThread", "os_thread_id": 7, "frames": [
+        {"name": "main", "filename": str(train_script), "line": line},
+        {"name": "<module>", "filename": str(train_script), "line": len(lines) - 1}]}]
+    stacks = _pyspy_to_stacks(pyspy, 7)
+    assert "time.sleep(3600)" in where(stacks[0]["frames"])
+    fault = [{"main": True, "frames": [{"file": str(train_script), "line": line, "name": "main", "code": ""}]}]
+    assert "time.sleep(3600)" in where(with_source(fault)[0]["frames"])
+    # The collector's own fallback: the same file and line seen in any other evidence.
+    bare = [{"file": "/elsewhere/train.py", "line": 94, "name": "main", "code": ""}]
+    donor = RankEvidence(rank=0, reason="hang", created_at=T, source="agent", stacks=[{"main": True, "frames": [
+        {"file": "/elsewhere/train.py", "line": 94, "name": "main", "code": "time.sleep(3600)"}]}])
+    assert "time.sleep(3600)" in where(fill_source(bare, [donor]))
