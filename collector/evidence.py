@@ -14,6 +14,14 @@ from typing import Any, Optional
 from rankwatch.bundles import Bundle
 
 
+def rank_shaped(op: str) -> bool:
+    """Collectives whose inputs legitimately differ between ranks: all-to-all
+    with per-rank split sizes, scatter (only the root passes a list). They are
+    compared by op alone, never by size."""
+    op = op.lower()
+    return "to_all" in op or "alltoall" in op or op in ("scatter", "_scatter_base")
+
+
 @dataclass
 class CollectiveEntry:
     pg: str
@@ -29,6 +37,8 @@ class CollectiveEntry:
 
     @property
     def signature(self) -> tuple:
+        if rank_shaped(self.op):
+            return (self.op,)
         return (self.op, json.dumps(self.input_sizes), json.dumps(self.input_dtypes))
 
     @property

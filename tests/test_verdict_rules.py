@@ -161,6 +161,38 @@ def test_mismatch_then_the_culprits_own_abort_is_one_verdict(tmp_path, train_scr
           f"consequences {sorted(kinds)}\n  {v['summary']}")
 
 
+_LEAK_SLOWS = """
+import time
+rank = dist.get_rank()
+model = DDP(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4)))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+replay = []  # rank 0 keeps every batch of observations and never drops one: the leak
+for step in range(70):
+    x = torch.randn(64, 256)
+    if rank == 0:
+        replay.append(torch.randn(1024, 1024))  # 4 MiB a step
+        mean = torch.cat(replay).mean(0)  # a normaliser over the whole buffer: slower as it grows
+        x = x - mean[:256] * 0
+    loss = model(x).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    time.sleep(0.02)
+"""
+
+
+def test_slowdown_caused_by_a_leak_is_the_leaks_consequence(tmp_path):
+    script = ddp_script(tmp_path, "leak_slows.py", _LEAK_SLOWS)
+    job = run_job(tmp_path, ["--nproc-per-node", "3", str(script)])
+    assert job.exit_code == 0, job.output[-3000:]
+    v = _one(job, "memory_growth")
+    assert v["ranks"] == [0], v
+    consequences = v["evidence"].get("consequences", [])
+    assert [c["ranks"] for c in consequences if c["kind"] == "straggler"] == [[0]], consequences
+    print(f"\nmemory_growth on {v['ranks']}: time to verdict {_time_to_verdict(v)} s; "
+          f"consequences {[c['kind'] for c in consequences]}\n  {v['summary']}")
+
+
 # -- 3. a rank frozen in C code with the GIL held --------------------------------------------
 
 _FROZEN = """
@@ -338,3 +370,30 @@ def test_stacks_taken_from_outside_carry_the_source_line(train_script):
     donor = RankEvidence(rank=0, reason="hang", created_at=T, source="agent", stacks=[{"main": True, "frames": [
         {"file": "/elsewhere/train.py", "line": 94, "name": "main", "code": "time.sleep(3600)"}]}])
     assert "time.sleep(3600)" in where(fill_source(bare, [donor]))
+
+
+def test_healthy_uneven_finish_is_no_verdict():
+    """Ranks that finish at different times, none failing: nothing to say."""
+    from rankwatch.collector.analyses import run_all
+
+    run = RunState(run_id="r", world_size=3)
+    for r in range(3):
+        state = run.rank(r)
+        state.step, state.exit_code, state.exited_at = 40, 0, T + r * 5
+    assert hang.left_the_loop(run, T + 20) is None
+    assert run_all(run, T + 20, True) == []
+
+
+def test_all_to_all_with_per_rank_split_sizes_is_not_a_mismatch():
+    from rankwatch.collector.analyses import collective_mismatch
+    from rankwatch.collector.evidence import CollectiveEntry
+
+    run = RunState(run_id="r", world_size=3)
+    for r in range(3):  # two ranks send 4 rows, one sends 6: a majority and a minority by size
+        entries = [CollectiveEntry(pg="0", seq=1, op="all_reduce", input_sizes=[[10]], input_dtypes=["Float"],
+                                   created_ns=1, retired=True),
+                   CollectiveEntry(pg="0", seq=2, op="all_to_all", input_sizes=[[4 if r < 2 else 6, 8]],
+                                   input_dtypes=["Float"], created_ns=2, retired=True)]
+        run.rank(r).evidence["hang-1"] = RankEvidence(rank=r, reason="hang", created_at=T, source="agent",
+                                                      collectives=entries)
+    assert collective_mismatch.detect(run, T, True) == []

@@ -123,7 +123,8 @@ def _verdict_from_entries(run, evidence, present, culprits, how, key, now) -> wi
         + (f" from {odd.origin}" if odd.origin != "internal" else "")
         + f" as collective #{seq} of process group {pg}, where "
         + (f"{ranks_text(others)} issued {usual.shape_text}"
-           + (" (DDP gradient allreduce)" if usual.origin == "internal" else f" from {usual.origin}")
+           + (" (issued inside torch: DDP's gradient allreduce or the like)" if usual.origin == "internal"
+              else f" from {usual.origin}")
            if usual else "the others issued something else")
         + f"; the ranks' collectives no longer pair up (mismatch by {how})."
     )
@@ -229,7 +230,7 @@ def _from_dying_call(run: RunState, now: float) -> Optional[wire.Verdict]:
     peers_now = {r: ev.collectives[-1] for r, ev in _latest_evidence(run).items() if r in others and ev.collectives}
     if peers_now:
         sample = next(iter(peers_now.values()))
-        who = "DDP gradient allreduce" if sample.origin == "internal" else f"from {sample.origin}"
+        who = "issued inside torch: DDP's gradient allreduce or the like" if sample.origin == "internal" else f"from {sample.origin}"
         peer_text = f"{ranks_text(others)} were in collective #{sample.seq}, {sample.shape_text} ({who})"
     else:
         peer_text = f"{ranks_text(others)} were not (phase {', '.join(phases)})"
