@@ -2,16 +2,34 @@
 out of band.
 
 Every N optimizer steps, one fused kernel (``torch._foreach_norm``) gives a
-norm per parameter and buffer; the vector goes to the collector in the next
-heartbeat (on CUDA through a pinned, non-blocking copy read a step later).
-The collector compares replicas; no collective is added to the training.
-A norm changes with any perturbation of a tensor except an exact
-permutation or sign flip of its elements, which no real fault produces.
+norm per parameter; the vector goes to the collector in the next heartbeat
+(on CUDA through a pinned, non-blocking copy read a step later). The
+collector compares replicas; no collective is added to the training. A norm
+changes with any perturbation of a tensor except an exact permutation or sign
+flip of its elements, which no real fault produces.
+
+Only what DDP promises to keep equal is compared:
+- parameters at the end of an optimizer step (after the gradient allreduce),
+  except those DDP was told to ignore (``_set_params_and_buffers_to_ignore``);
+- buffers only right after DDP broadcast them from rank 0, which happens at
+  the start of a forward when ``broadcast_buffers`` (``forward_sync_buffers``)
+  is on and no custom buffer hook is set. At step end BatchNorm running
+  statistics differ legitimately between replicas (each saw its own batch),
+  and with ``broadcast_buffers=False`` they are never equal: then buffers are
+  not compared at all. The buffer norms are taken in a forward pre-hook of the
+  wrapped module, which runs after DDP's broadcast, and sent with the
+  parameter norms of the step that preceded that forward.
+
+Cost: under the same budget as the gradient checks. When a fingerprint costs
+more than its share, the interval doubles (up to 64x); intervals stay powers
+of two times the configured one, so ranks that adapted differently still
+fingerprint common steps.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+import time
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -24,31 +42,140 @@ if TYPE_CHECKING:
     from .runtime import Agent
 
 MAX_TENSORS = 8192
+MAX_MULTIPLIER = 64
+BUDGET_SHARE = 0.5  # of the gradient-check budget (the checks use the rest)
+
+
+def syncs_buffers_before_forward(ddp) -> bool:
+    """DDP broadcasts this model's buffers from rank 0 at the start of a
+    forward (the default; not with broadcast_buffers=False or a buffer hook)."""
+    if hasattr(ddp, "buffer_hook"):
+        return False  # a user's buffer hook may do anything (or run after the forward)
+    flag = getattr(ddp, "forward_sync_buffers", None)
+    if flag is None:
+        flag = getattr(ddp, "broadcast_buffers", False)
+    return bool(flag)
 
 
 class Fingerprinter:
     def __init__(self, agent: "Agent", ddp, every: int) -> None:
         self.agent = agent
+        self.ddp = ddp
         self.every = every
-        named = [(f"param:{n}", p) for n, p in ddp.module.named_parameters()]
-        named += [(f"buffer:{n}", b) for n, b in ddp.module.named_buffers()
-                  if b.is_floating_point() and b.numel() > 0]
-        self.names = [n for n, _ in named][:MAX_TENSORS]
-        self.tensors = [t for _, t in named][:MAX_TENSORS]
+        self.multiplier = 1
+        self.budget = agent.config.grad_check_budget * BUDGET_SHARE
+        ignored = set(getattr(ddp, "parameters_to_ignore", None) or ())
+        self._ignored = ignored
+        params = [(f"param:{n}", p) for n, p in ddp.module.named_parameters() if n not in ignored]
+        buffers = [(f"buffer:{n}", b) for n, b in ddp.module.named_buffers()
+                   if n not in ignored and b.is_floating_point() and b.numel() > 0]
+        params = params[:MAX_TENSORS]
+        buffers = buffers[: max(0, MAX_TENSORS - len(params))]
+        self.param_names = [n for n, _ in params]
+        self.params = [t for _, t in params]
+        self.compare_buffers = bool(buffers) and syncs_buffers_before_forward(ddp)
+        self.buffer_names = [n for n, _ in buffers] if self.compare_buffers else []
+        self.buffer_module = ddp.module
+        self.names = self.param_names + self.buffer_names  # one list, shared by every fingerprint sent
         self.reader = _DeferredRead()
+        # Parameter norms waiting for the buffer norms of the next synchronised forward.
+        self._pending: Optional[tuple[int, list[torch.Tensor]]] = None
+        self._syncing = False
+        self._buffer_spent = 0.0
+        if self.compare_buffers:
+            ddp.register_forward_pre_hook(self._before_ddp_forward)
+            ddp.module.register_forward_pre_hook(self._after_buffer_sync)
         agent.progress.step_extras.append(self._on_step_end)
 
+    @property
+    def interval(self) -> int:
+        return self.every * self.multiplier
+
+    # -- step end (training thread) --------------------------------------------------
     @guarded("fingerprints")
     def _on_step_end(self, record: StepRecord) -> None:
         self.reader.poll()
         # record.step just completed: fingerprint the weights it produced.
-        if (record.step + 1) % self.every:
+        if (record.step + 1) % self.interval:
+            return
+        started = time.perf_counter()
+        if self._pending is not None:
+            # No synchronised forward since the last fingerprint (buffers never
+            # broadcast in between): send the parameters alone.
+            self._submit(*self._pending, [])
+            self._pending = None
+        with torch.no_grad():
+            norms = list(torch._foreach_norm([t.detach() for t in self.params])) if self.params else []
+        if self.compare_buffers:
+            self._pending = (record.step, norms)
+        else:
+            self._submit(record.step, norms, [])
+        spent, self._buffer_spent = time.perf_counter() - started + self._buffer_spent, 0.0
+        self._adapt(record, spent)
+
+    def _adapt(self, record: StepRecord, spent: float) -> None:
+        """Keep the amortised cost within its share of the budget."""
+        duration = record.ended_at - record.started_at
+        if self.budget <= 0 or duration <= 0:
+            return
+        allowed = self.budget * duration * self.interval
+        if spent > allowed and self.multiplier < MAX_MULTIPLIER:
+            self.multiplier *= 2
+        elif spent < allowed / 8 and self.multiplier > 1:
+            self.multiplier //= 2
+
+    # -- buffers, right after DDP's broadcast ---------------------------------------
+    @guarded("fingerprints.buffers")
+    def _before_ddp_forward(self, module, inputs) -> None:
+        # Evaluated by DDP itself a moment later, in the same state: will this
+        # forward broadcast the buffers from rank 0?
+        self._syncing = self._pending is not None and bool(self.ddp._check_sync_bufs_pre_fwd())
+
+    @guarded("fingerprints.buffers")
+    def _after_buffer_sync(self, module, inputs) -> None:
+        syncing, self._syncing = self._syncing, False
+        if not syncing or self._pending is None or _compiling():
+            return
+        step, param_norms = self._pending
+        self._pending = None
+        started = time.perf_counter()
+        current = [(f"buffer:{n}", b) for n, b in self.buffer_module.named_buffers()
+                   if n not in self._ignored and b.is_floating_point() and b.numel() > 0]
+        names = [n for n, _ in current][: len(self.buffer_names) + 1]
+        buffers = [b for _, b in current][: len(self.buffer_names)]
+        if names != self.buffer_names:  # buffers were added or replaced: compare parameters only
+            self._submit(step, param_norms, [])
             return
         with torch.no_grad():
-            norms = torch._foreach_norm([t.detach() for t in self.tensors])
-        step = record.step
-        self.reader.submit(list(norms), lambda values, step=step: self.agent.add_fingerprint(
-            {"step": step, "names": self.names, "norms": values}))
+            norms = list(torch._foreach_norm([b.detach() for b in buffers]))
+        self._submit(step, param_norms, norms)
+        self._buffer_spent = time.perf_counter() - started  # counted at the next adaptation
+
+    @guarded("fingerprints")
+    def flush(self) -> None:
+        """At exit: the last parameter fingerprint goes out even if no forward followed it."""
+        if self._pending is not None:
+            self._submit(*self._pending, [])
+            self._pending = None
+
+    def _submit(self, step: int, param_norms: list[torch.Tensor], buffer_norms: list[torch.Tensor]) -> None:
+        names = self.names if buffer_norms else self.param_names
+        values = param_norms + buffer_norms
+        if not values:
+            return
+        extra = {"buffers": "after_broadcast"} if buffer_norms else {}  # where DDP made them equal
+
+        def consume(norms: list[float], step=step, names=names) -> None:
+            self.agent.add_fingerprint({"step": step, "names": names, "norms": norms, **extra})
+
+        self.reader.submit(values, consume)
+
+
+def _compiling() -> bool:
+    try:
+        return bool(torch.compiler.is_compiling())
+    except Exception:
+        return False
 
 
 def attach(agent: "Agent", ddp) -> Optional[Fingerprinter]:

@@ -34,8 +34,8 @@ if TYPE_CHECKING:
     from .runtime import Agent
 
 MAX_NAMED = 8
-PROBE_ELEMENTS = 512  # per bucket and step, on steps the full check is sampled out
-PROBE_MIN, PROBE_MAX = 32, 8192
+PROBE_ELEMENTS = 512  # cache lines per bucket and step, on steps the full check is sampled out
+PROBE_MIN, PROBE_MAX = 16, 8192
 
 # Module-wide patches (one DDP class, one GradScaler class for every agent).
 _PATCHES = Patches()
@@ -211,7 +211,8 @@ class GradChecker:
 
     def _probe(self, bucket, index: int) -> None:
         """On a step the budget does not sample: a sparse read of the local
-        bucket (every `spacing`-th element, the offset moving every step).
+        bucket (one cache line every `spacing` elements, the offset moving
+        every step, so every element is read once in spacing/line steps).
         A NaN from one sample's backward poisons whole weight-gradient
         tensors, so a few hundred elements per bucket find it; a lone bad
         element is found with probability ~ elements read / bucket size (see
@@ -225,9 +226,17 @@ class GradChecker:
         n = buffer.numel()
         if n == 0:
             return
-        spacing = max(1, n // self.probe_elements)
-        offset = (self._probe_round * 7919 + index) % spacing
-        if math.isfinite(float(buffer[offset::spacing].sum())):
+        # Whole cache lines: a cold strided read costs one memory access per
+        # line whether it takes one element of it or all of them.
+        line = max(1, 64 // buffer.element_size())
+        spacing = max(line, (n // (self.probe_elements * line)) * line)
+        start = ((self._probe_round * 7919 + index) % (spacing // line)) * line
+        if n - start >= line:
+            rows = (n - start - line) // spacing + 1
+            probe = buffer.as_strided((rows, line), (spacing, 1), buffer.storage_offset() + start)
+        else:
+            probe = buffer[-line:]
+        if math.isfinite(float(probe.sum())):
             self._probe_spent += time.perf_counter() - started
             return
         norm = torch.linalg.vector_norm(buffer)

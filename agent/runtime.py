@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 from rankwatch import config as config_mod
 from rankwatch import wire
+from rankwatch.redact import redact_obj
 
 from . import bundle as bundle_mod
 from .collectives import CollectiveTracker
@@ -295,8 +296,9 @@ class Agent:
 
     # -- events --------------------------------------------------------------------
     def record_event(self, kind: str, step: Optional[int] = None, **details: Any) -> wire.Event:
+        # Redacted before it leaves the process (exception texts may echo secrets: rankwatch.redact).
         event = wire.Event(kind=kind, at=time.time(), step=self.progress.step if step is None else step,
-                           details=details)
+                           details=details if kind == "step_values" else redact_obj(details))
         with self._lock:
             self.events_log.append(event)
             self._unsent_events.append(event)
@@ -361,6 +363,13 @@ class Agent:
         atexit.register(lambda: _current is self and self.shutdown(1 if failed else None))
 
     def shutdown(self, exit_code: Optional[int]) -> None:
+        for ext in self.extensions:
+            flush = getattr(ext, "flush", None)
+            if flush is not None:
+                try:
+                    flush()
+                except Exception:
+                    pass
         try:
             self.record_event("exit", exit_code=exit_code, phase=self.progress.phase)
             self.progress.set_phase("exited")
@@ -464,7 +473,8 @@ class Agent:
         with self._send_lock:
             beat = self.make_heartbeat()
             try:
-                body = json.dumps(beat.body, separators=(",", ":"), default=str).encode()
+                # Strict JSON (a NaN loss travels as "NaN"); the slow path only then.
+                body = wire.json_text(beat.body, compact=True).encode()
                 reply = self.transport.post("/v1/heartbeat", body, timeout=2.0)
             except CollectorUnreachable:
                 self.progress.give_back(beat.steps, beat.marks)
