@@ -14,11 +14,12 @@ feed, `Collector.tick`), without HTTP or the index (bench/collector_load.py
 measures those).
 
 A run of S steps is streamed in full when N x S is at most --full-records;
-beyond that only its last --tail steps are streamed, numbered as the end of
-an S-step run ("tail" in the table). Every per-rank structure is a window of at
-most 64 steps, so after --tail steps the state is in its steady state: the
-state of a run of any length (tests/test_analyses_incremental.py checks that
-the memory after 20,000 steps equals the memory after 2,000).
+beyond that only its last steps are streamed, numbered as the end of an
+S-step run ("tail" in the table): --tail steps, or more until every per-rank
+window is full (records, collective marks, analysis windows), i.e. the
+steady state that a run of any length stays in
+(tests/test_analyses_incremental.py checks that the memory after 20,000 steps
+is the memory after 2,000).
 """
 
 from __future__ import annotations
@@ -53,10 +54,13 @@ def cell(n: int, s: int, full_records: int, tail: int) -> dict:
     from rankwatch.collector.analyses.common import settle
     from rankwatch.collector.metrics import CollectorMetrics
     from rankwatch.collector.service import Collector
+    from rankwatch.collector.state import mark_window, step_window
     from rankwatch.config import Config
 
     rnd = random.Random(n * 7919 + s)
     full = n * s <= full_records
+    # Long enough for every window to fill (the steady state of a run of any length).
+    tail = max(tail, step_window(n) + 8, 5 * mark_window(n) + 8)
     first = 0 if full else max(0, s - tail)
     collector = Collector(config=Config())
     metrics = CollectorMetrics(collector)
@@ -125,7 +129,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, nargs="+", default=list(RANKS))
     parser.add_argument("--steps", type=int, nargs="+", default=list(STEPS))
-    parser.add_argument("--full-records", type=int, default=2_000_000,
+    parser.add_argument("--full-records", type=int, default=2_500_000,
                         help="stream a run in full up to this many records (ranks x steps)")
     parser.add_argument("--tail", type=int, default=64, help="steps streamed otherwise")
     parser.add_argument("--cell", type=int, nargs=2, metavar=("RANKS", "STEPS"), help=argparse.SUPPRESS)
