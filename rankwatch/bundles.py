@@ -76,7 +76,6 @@ class Bundle:
     text_members: dict[str, str] = field(default_factory=dict)
     opaque_members: dict[str, int] = field(default_factory=dict)  # name -> size, content not loaded
     source_path: Optional[str] = None
-    opaque_data: dict[str, bytes] = field(default_factory=dict)  # only with unpack(keep_opaque=True)
 
     def get(self, name: str, default: Any = None) -> Any:
         return self.json_members.get(name, default)
@@ -85,6 +84,16 @@ class Bundle:
 # --------------------------------------------------------------------------
 # Writing
 # --------------------------------------------------------------------------
+
+
+def _encode(content: Any) -> bytes:
+    """A member's bytes: opaque bytes as they are, text and JSON redacted
+    (strict JSON: non-finite numbers as strings)."""
+    if isinstance(content, bytes):
+        return content
+    if isinstance(content, str):
+        return redact_text(content).encode("utf-8", "replace")
+    return wire.json_text(redact_obj(content)).encode("utf-8", "replace")
 
 
 def pack(manifest: wire.BundleManifest, members: dict[str, Any]) -> bytes:
@@ -97,37 +106,71 @@ def pack(manifest: wire.BundleManifest, members: dict[str, Any]) -> bytes:
             continue
         if not _MEMBER_NAME.match(name) or name == "manifest.json":
             raise BundleError(f"bad member name {name!r}")
-        if isinstance(content, bytes):
-            blobs[name] = content  # opaque (pickle, gzip) or already-encoded text
-        elif isinstance(content, str):
-            blobs[name] = redact_text(content).encode("utf-8", "replace")
-        else:
-            blobs[name] = wire.json_text(redact_obj(content)).encode("utf-8", "replace")
+        blobs[name] = _encode(content)
     manifest.members = sorted(blobs)
-    blobs["manifest.json"] = wire.json_text(redact_obj(wire.to_dict(manifest))).encode("utf-8", "replace")
+    return _write(manifest, blobs, None, {})
+
+
+def _write(manifest: wire.BundleManifest, blobs: dict[str, bytes], original: Optional[bytes],
+           opaque: dict[str, int]) -> bytes:
     buffer = io.BytesIO()
     now = int(time.time())
+    head = _encode(wire.to_dict(manifest))
     # USTAR: never a PAX or GNU header (names are short ASCII, sizes < 8 GiB).
     with tarfile.open(fileobj=buffer, mode="w:gz", compresslevel=6, format=tarfile.USTAR_FORMAT) as tar:
-        for name in ["manifest.json"] + manifest.members:
+        for name, blob in [("manifest.json", head)] + sorted(blobs.items()):
             info = tarfile.TarInfo(name)
-            info.size = len(blobs[name])
-            info.mtime = now
-            info.mode = 0o644
-            tar.addfile(info, io.BytesIO(blobs[name]))
+            info.mtime, info.mode, info.size = now, 0o644, len(blob)
+            tar.addfile(info, io.BytesIO(blob))
+        if original is not None and opaque:
+            _copy_opaque(original, opaque, tar, now)
     return buffer.getvalue()
 
 
-def repack(bundle: Bundle) -> bytes:
+class _MemberReader(io.RawIOBase):
+    """One member's bytes, read from the inflating stream (for tarfile.addfile)."""
+
+    def __init__(self, stream: "_Inflater", size: int):
+        self.stream, self.left = stream, size
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.left if n is None or n < 0 else min(n, self.left)
+        data = self.stream.read(n)
+        self.left -= len(data)
+        return data
+
+
+def _copy_opaque(original: bytes, opaque: dict[str, int], tar: tarfile.TarFile, mtime: int) -> None:
+    """Opaque members copied from the (already validated) original archive in
+    chunks: never whole in memory."""
+    stream = _Inflater(original, MAX_INFLATED_BYTES)
+    for index in range(MAX_MEMBERS + 1):
+        block = stream.read(_BLOCK)
+        parsed = _header(block, index) if len(block) == _BLOCK else None
+        if parsed is None:
+            return
+        name, size, _ = parsed
+        padded = -(-size // _BLOCK) * _BLOCK
+        if opaque.get(name) == size:
+            info = tarfile.TarInfo(name)
+            info.mtime, info.mode, info.size = mtime, 0o644, size
+            tar.addfile(info, _MemberReader(stream, size))
+            stream.skip(padded - size)
+        else:
+            stream.skip(padded)
+
+
+def repack(bundle: Bundle, original: bytes) -> bytes:
     """The archive of what was read and validated (redacted text, checked
-    JSON, opaque members kept with ``unpack(keep_opaque=True)``): what the
-    collector stores, never the bytes it was sent."""
-    members: dict[str, Any] = {}
-    members.update(bundle.json_members)
-    members.update(bundle.text_members)
-    members.update(bundle.opaque_data)
+    JSON, opaque members copied from ``original``): what the collector
+    stores, never the bytes it was sent."""
+    blobs = {name: _encode(content) for name, content in {**bundle.json_members, **bundle.text_members}.items()}
     manifest = wire.decode(wire.BundleManifest, wire.to_dict(bundle.manifest))
-    return pack(manifest, members)
+    manifest.members = sorted(set(blobs) | set(bundle.opaque_members))
+    return _write(manifest, blobs, original, bundle.opaque_members)
 
 
 # --------------------------------------------------------------------------
@@ -229,14 +272,14 @@ def _header(block: bytes, index: int) -> Optional[tuple[str, int, bool]]:
     return name, _octal(block[124:136], f"size of {name}"), True
 
 
-def unpack(data: bytes, source: Optional[str] = None, keep_opaque: bool = False) -> Bundle:
-    """Read and validate a bundle archive (gzip'd or plain tar)."""
+def unpack(data: bytes, source: Optional[str] = None) -> Bundle:
+    """Read and validate a bundle archive (gzip'd or plain tar). Opaque members
+    are skipped in chunks, never held (``repack`` copies them the same way)."""
     if len(data) > wire.MAX_BUNDLE_BYTES:
         raise BundleError(f"bundle of {len(data)} bytes exceeds the {wire.MAX_BUNDLE_BYTES}-byte limit")
     stream = _Inflater(data, MAX_INFLATED_BYTES)
     members: dict[str, bytes] = {}
     opaque: dict[str, int] = {}
-    opaque_data: dict[str, bytes] = {}
     loaded = 0
     try:
         for index in range(MAX_MEMBERS + 1):
@@ -259,16 +302,7 @@ def unpack(data: bytes, source: Optional[str] = None, keep_opaque: bool = False)
             padded = -(-size // _BLOCK) * _BLOCK
             if name.endswith(OPAQUE_SUFFIXES):
                 opaque[name] = size
-                if keep_opaque:
-                    if loaded + size > 2 * MAX_LOADED_BYTES:
-                        raise BundleError("opaque members exceed the size limit")
-                    loaded += size
-                    blob = stream.read(size)
-                    if len(blob) < size:
-                        raise BundleError(f"truncated bundle archive: member {name!r} cut short")
-                    opaque_data[name] = blob
-                    stream.skip(padded - size)
-                elif stream.skip(padded) < padded:
+                if stream.skip(padded) < padded:
                     raise BundleError(f"truncated bundle archive: member {name!r} cut short")
                 continue
             loaded += size
@@ -283,9 +317,7 @@ def unpack(data: bytes, source: Optional[str] = None, keep_opaque: bool = False)
             raise BundleError(f"bundle holds more than {MAX_MEMBERS} members")
     except zlib.error as exc:
         raise BundleError(f"unreadable or truncated bundle archive: gzip: {exc}") from None
-    bundle = _build(members, opaque, source)
-    bundle.opaque_data = opaque_data
-    return bundle
+    return _build(members, opaque, source)
 
 
 def read_folder(path: Path) -> Bundle:

@@ -25,6 +25,7 @@ own environment knows. ``register_secret`` adds values known otherwise
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import threading
@@ -59,12 +60,18 @@ _VALUE_PATTERNS = [
                r"(\s*[=:]\s*)([^\s&;,'\"]+)"),
 ]
 
+# One cheap search first: most strings (names, paths, numbers as text) hold
+# nothing that any pattern above could match, and skip the substitutions.
+_MAYBE = re.compile(r"(?i)://|bearer|basic|hf_|gh[opsur]_|github_pat_|AKIA|ASIA|sk-|xox|eyJ|PRIVATE KEY|"
+                    r"passw|pwd|token|secret|api_?key|access_key")
+
 _lock = threading.Lock()
 _registered: set[str] = set()
-_cache: tuple[float, Optional[re.Pattern]] = (0.0, None)
+_cache: tuple[float, Optional[re.Pattern]] = (-1e9, None)
 _CACHE_SECONDS = 1.0  # the environment is re-read at most once a second
 
 
+@functools.lru_cache(maxsize=4096)
 def is_secret_name(name: str) -> bool:
     return name.upper() not in _SAFE_NAMES and bool(_SECRET_NAME.search(name))
 
@@ -84,21 +91,21 @@ def register_secret(value: Optional[str]) -> None:
     if value and len(value) >= MIN_SECRET_CHARS:
         with _lock:
             _registered.add(value)
-            _cache = (0.0, None)
+            _cache = (-1e9, None)
 
 
 def _known_values() -> Optional[re.Pattern]:
     global _cache
     now = time.monotonic()
     at, pattern = _cache
-    if pattern is not None and now - at < _CACHE_SECONDS:
+    if now - at < _CACHE_SECONDS:
         return pattern
     values = secret_values() | _registered
     # Longest first: a secret that contains another is replaced whole.
     pattern = re.compile("|".join(re.escape(v) for v in sorted(values, key=len, reverse=True))) if values else None
     with _lock:
         _cache = (now, pattern)
-    return pattern if pattern is not None else None
+    return pattern
 
 
 def _pair(match: re.Match) -> str:
@@ -114,6 +121,8 @@ def redact_text(text: str, extra_values: Iterable[str] = ()) -> str:
     for value in extra_values:
         if value and len(value) >= MIN_SECRET_CHARS:
             text = text.replace(value, REDACTED)
+    if not _MAYBE.search(text):
+        return text
     text = _URL_CREDENTIALS.sub(lambda m: f"{m.group('scheme')}{REDACTED}@", text)
     for pattern in _VALUE_PATTERNS[:-1]:
         text = pattern.sub(REDACTED, text)
