@@ -63,19 +63,17 @@ def main():
     a = p.parse_args()
     config = {"steps": a.steps, "step_time": a.step_time, "fault": a.fault, "fault_rank": a.fault_rank,
               "fault_step": a.fault_step}
-    callbacks = []
-    if not a.no_callback:
+    name, storage = a.name, a.storage
+    if a.no_callback:
+        run_config = RunConfig(name=name, storage_path=storage)
+    else:
         # --- README snippet begin ---
         from rankwatch.ray import RankwatchCallback
 
-        callbacks = [RankwatchCallback()]  # or, with no code: RAY_TRAIN_CALLBACKS=rankwatch.ray.RankwatchCallback
+        run_config = RunConfig(name=name, storage_path=storage, callbacks=[RankwatchCallback()])
         # --- README snippet end ---
-    trainer = TorchTrainer(
-        train_loop_per_worker,
-        train_loop_config=config,
-        scaling_config=ScalingConfig(num_workers=a.workers, use_gpu=False),
-        run_config=RunConfig(name=a.name, storage_path=a.storage, callbacks=callbacks),
-    )
+    trainer = TorchTrainer(train_loop_per_worker, train_loop_config=config,
+                           scaling_config=ScalingConfig(num_workers=a.workers), run_config=run_config)
     trainer.fit()
 
 
