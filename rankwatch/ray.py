@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import secrets
 import signal
 import socket
@@ -347,19 +348,23 @@ class RankwatchCallback(ControllerCallback, WorkerGroupCallback, WorkerCallback)
 
     def _abort_error(self, reason: str) -> RankwatchAbort:
         """The verdict that made the collector end the run, in one message."""
+        # The collector's reason names the incident ("... incident hang-1"): its kind is the verdict's.
+        match = re.search(r"incident ([A-Za-z_]+)-\d+", reason or "")
+        kind = match.group(1) if match else None
         deadline = time.time() + 5.0
-        verdicts: list[dict[str, Any]] = []
+        found: list[dict[str, Any]] = []
         while time.time() < deadline:  # the analysis runs on the collector's next tick
             try:
                 verdicts = self._get(f"/v1/runs/{self.run_id}/report").get("verdicts") or []
             except Exception:
                 verdicts = []
-            if verdicts:
+            found = [v for v in verdicts if kind is None or v.get("kind") == kind]
+            if found:
                 break
             time.sleep(0.2)
         report = str(self._run_dir / "report.json") if self._run_dir else ""
-        if verdicts:
-            v = verdicts[0]
+        if found:
+            v = found[0]
             ranks = ", ".join(str(r) for r in v.get("ranks", []))
             message = (f"rankwatch ended the run: {v.get('kind')} on rank {ranks} at step {v.get('step')}: "
                        f"{v.get('summary')} Report: {report}")
