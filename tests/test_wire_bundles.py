@@ -104,3 +104,63 @@ def test_secrets_never_leave_the_rank():
     archive = pack(_manifest(), {"env.json": {"MY_SECRET": "s3cr3t", "URL": "https://a:b@host/"}})
     env_back = unpack(archive).get("env.json")
     assert env_back["MY_SECRET"] == REDACTED and "a:b@" not in env_back["URL"]
+
+
+# --------------------------------------------------------------------------
+# The validated boundary (unit level; tests/test_hostile.py goes through HTTP)
+# --------------------------------------------------------------------------
+
+
+def _strict(text):
+    def refuse(constant):
+        raise ValueError(constant)
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_ids_are_strict():
+    for good in ("run-20261122-1", "job_a.b", "hang-1", "crash-r3-abcdef12", "-x"):
+        assert wire.valid_id(good), good
+    for bad in (".", "..", ".hidden", "a/b", "a\\b", "", "x" * 129, "a b", "é", "a\0b"):
+        assert not wire.valid_id(bad), bad
+
+
+def test_json_text_is_strict_and_nonfinite_round_trips_where_it_is_the_signal():
+    record = wire.StepRecord(step=1, started_at=1.0, ended_at=2.0, loss=float("nan"), grad_norm=float("-inf"),
+                             compute_s=float("inf"))
+    text = wire.json_text(wire.to_dict(record))
+    data = _strict(text)
+    assert data["loss"] == "NaN" and data["grad_norm"] == "-Infinity" and data["compute_s"] == "Infinity"
+    back = wire.decode(wire.StepRecord, data)
+    assert back.loss != back.loss and back.grad_norm == float("-inf")
+    assert back.compute_s is None  # a non-finite duration means nothing: None
+    with pytest.raises(wire.WireError, match="finite"):
+        wire.decode(wire.Event, {"kind": "x", "at": float("nan")})
+    assert wire.decode(wire.Event, {"kind": "x", "at": 1.0, "details": {"v": float("inf")}}).details == {"v": "Infinity"}
+
+
+def test_json_depth_and_object_count_are_checked_without_recursion():
+    with pytest.raises(wire.WireError, match="deeper"):
+        wire.parse_json(b"[" * 200_000 + b"]" * 200_000, "x")
+    with pytest.raises(wire.WireError, match="exceed"):
+        wire.parse_json(b"[" + b",".join([b"{}"] * 250_000) + b"]", "x")
+    # brackets inside strings are text, not nesting
+    assert wire.parse_json(json.dumps({"s": "[" * 1000 + '\\"{'}).encode(), "x") == {"s": "[" * 1000 + '\\"{'}
+
+
+def test_text_is_made_safe_but_names_are_refused():
+    event = wire.decode(wire.Event, {"kind": "exception", "at": 1.0, "details": {"message": "a\ud800b\x1bc\n"}})
+    assert event.details["message"] == "a\ufffdb\ufffdc\n"
+    with pytest.raises(wire.WireError, match="host"):
+        wire.decode(wire.RankIdentity, {"run_id": "r", "rank": 0, "local_rank": 0, "world_size": 1, "host": "h\udc80"})
+
+
+def test_bundle_is_written_as_plain_ustar_with_strict_json():
+    archive = pack(_manifest(), {"metrics.json": {"steps": [wire.to_dict(wire.StepRecord(0, 1.0, 2.0, loss=float("nan")))]}})
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        infos = list(tar)
+        assert all(i.type == tarfile.REGTYPE and not i.pax_headers for i in infos)
+        _strict(tar.extractfile("metrics.json").read())
+    steps = unpack(archive).get("metrics.json")["steps"]
+    assert steps[0]["loss"] == "NaN"
+    loss = wire.decode(wire.StepRecord, steps[0]).loss
+    assert isinstance(loss, float) and loss != loss  # read back as a float NaN
