@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from .runtime import Agent
 
 MAX_NAMED = 8
-PROBE_ELEMENTS = 512  # cache lines per bucket and step, on steps the full check is sampled out
+PROBE_ELEMENTS = 512  # elements per bucket and step, on steps the full check is sampled out
 PROBE_MIN, PROBE_MAX = 16, 8192
 
 # Module-wide patches (one DDP class, one GradScaler class for every agent).
@@ -132,6 +132,7 @@ class GradChecker:
         self.probe_elements = PROBE_ELEMENTS
         self._probe_spent = 0.0
         self._probe_round = 0
+        self._probe_layout: dict[int, tuple[tuple[int, int], Any]] = {}  # bucket -> (key, slices)
         ddp._rankwatch_grad_checker = self
         _patch_register_comm_hook()
         ddp.register_forward_pre_hook(self._register_default_before_first_forward)
@@ -211,32 +212,28 @@ class GradChecker:
 
     def _probe(self, bucket, index: int) -> None:
         """On a step the budget does not sample: a sparse read of the local
-        bucket (one cache line every `spacing` elements, the offset moving
-        every step, so every element is read once in spacing/line steps).
-        A NaN from one sample's backward poisons whole weight-gradient
-        tensors, so a few hundred elements per bucket find it; a lone bad
-        element is found with probability ~ elements read / bucket size (see
-        bench/grad_check_cost.py). A non-finite probe escalates to the full
-        check of that bucket. CPU only: on a GPU the full check is
-        asynchronous and rarely sampled out."""
+        bucket. Every parameter's gradient gets at least one probed element
+        and large ones more (about `probe_elements` per bucket in all, spread
+        in proportion to size); each probe moves within its slice every step,
+        so a slice is read through over the steps. A NaN from one sample's
+        backward poisons whole weight-gradient tensors (or whole rows), so
+        this finds it; a lone bad element is found with probability ~ elements
+        read / bucket size (bench/grad_check_cost.py measures both). A
+        non-finite probe escalates to the full check of that bucket. CPU only:
+        on a GPU the full check is asynchronous and rarely sampled out."""
         started = time.perf_counter()
         buffer = bucket.buffer()
         if buffer.device.type != "cpu" or not buffer.is_floating_point() or self.probe_elements <= 0:
             return
-        n = buffer.numel()
-        if n == 0:
+        if buffer.numel() == 0:
             return
-        # Whole cache lines: a cold strided read costs one memory access per
-        # line whether it takes one element of it or all of them.
-        line = max(1, 64 // buffer.element_size())
-        spacing = max(line, (n // (self.probe_elements * line)) * line)
-        start = ((self._probe_round * 7919 + index) % (spacing // line)) * line
-        if n - start >= line:
-            rows = (n - start - line) // spacing + 1
-            probe = buffer.as_strided((rows, line), (spacing, 1), buffer.storage_offset() + start)
-        else:
-            probe = buffer[-line:]
-        if math.isfinite(float(probe.sum())):
+        slices = self._probe_slices(bucket, index, buffer)
+        if slices is None:
+            return
+        starts, lengths = slices
+        shift = self._probe_round * 7919 + index
+        positions = starts + torch.remainder(torch.full_like(lengths, shift), lengths)
+        if math.isfinite(float(buffer.take(positions).sum())):
             self._probe_spent += time.perf_counter() - started
             return
         norm = torch.linalg.vector_norm(buffer)
@@ -245,6 +242,37 @@ class GradChecker:
             self._norm_buckets.append(index)
             self._name_nonfinite(bucket)
         self._probe_spent += time.perf_counter() - started
+
+    def _probe_slices(self, bucket, index: int, buffer: torch.Tensor):
+        """(start, length) of each probed slice of the bucket, as int64
+        tensors; computed once per bucket layout and probe size."""
+        n = buffer.numel()
+        key = (n, self.probe_elements)
+        cached = self._probe_layout.get(index)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        size = buffer.element_size()
+        base = buffer.data_ptr()
+        starts: list[int] = []
+        lengths: list[int] = []
+        for grad in bucket.gradients():
+            m = grad.numel()
+            offset = (grad.data_ptr() - base) // size if m else -1
+            if m == 0 or offset < 0 or offset + m > n:
+                continue  # not a view of this bucket's buffer
+            k = max(1, min(m, round(self.probe_elements * m / n)))
+            for j in range(k):
+                lo, hi = offset + (j * m) // k, offset + ((j + 1) * m) // k
+                if hi > lo:
+                    starts.append(lo)
+                    lengths.append(hi - lo)
+        if not starts:  # gradients not laid out in the buffer: spread over the whole of it
+            k = max(1, min(n, self.probe_elements))
+            starts = [(j * n) // k for j in range(k)]
+            lengths = [max(1, ((j + 1) * n) // k - (j * n) // k) for j in range(k)]
+        slices = (torch.tensor(starts, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64))
+        self._probe_layout[index] = (key, slices)
+        return slices
 
     def _loss_is_unusual(self) -> bool:
         """A non-finite loss, or one far above its recent values, forces the

@@ -54,6 +54,7 @@ class Progress:
         self._loss: Any = None
         self._observed_loss: Optional[float] = None
         self._scaled: Optional[tuple[Any, Any]] = None
+        self._forward_since_backward = False
         self.loss_history: collections.deque[float] = collections.deque(maxlen=20)
         self.typical_loss: Optional[float] = None  # median |loss| of recent steps, refreshed every 5
         # Per-step values provided by other parts (gradient checks, memory).
@@ -82,6 +83,7 @@ class Progress:
         now = time.time()
         self.forwards += 1
         self._forwards_in_step += 1
+        self._forward_since_backward = True
         if self._first_forward_at is None:
             self._first_forward_at = now
             if self.step == 0 and self._lead is None:
@@ -101,8 +103,14 @@ class Progress:
         scaled = self._scaled
         if scaled is not None and scaled[0]() is loss:
             loss = scaled[1]  # GradScaler: the loss before scaling (the scale is not the model's)
-        # Keep a reference only; it is read once the step is over (no sync here).
-        self._loss = loss
+        # The step's loss is the backward that follows a forward of a watched
+        # (DDP) model: a backward of some other model in between (a rank-0-only
+        # test episode, an auxiliary network) is not the training loss.
+        # Without any DDP model every backward counts.
+        if self._forward_since_backward or self.forwards == 0 or self._loss is None:
+            # Keep a reference only; it is read once the step is over (no sync here).
+            self._loss = loss
+        self._forward_since_backward = False
         self.phase = "backward"
         self.phase_since = now
         self.last_progress_at = now

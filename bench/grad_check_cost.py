@@ -165,6 +165,40 @@ def budgeted_run(steps: int) -> dict:
         agent.uninstall()
 
 
+def fingerprint_cost(steps: int) -> dict:
+    """What one fingerprint costs (the norms of every parameter and buffer),
+    and the interval the budget settles on for this model."""
+    agent = make_agent()
+    agent.config.fingerprint_every = 1
+    try:
+        from rankwatch.agent.fingerprints import Fingerprinter
+
+        model = make_model()
+        model.insert(1, torch.nn.BatchNorm1d(WIDTH))
+        ddp = DDP(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+        fp = next(e for e in agent.extensions if isinstance(e, Fingerprinter))
+        spent: list[float] = []
+        original = fp._adapt
+
+        def capture(record, cost):
+            spent.append(cost)
+            return original(record, cost)
+
+        fp._adapt = capture
+        x, y = torch.randn(BATCH, 64), torch.randint(0, 10, (BATCH,))
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step_fn(ddp, opt, x, y)
+            times.append(time.perf_counter() - t0)
+        return {"tensors": len(fp.names), "cost_us": statistics.median(spent) * 1e6 if spent else 0.0,
+                "multiplier": fp.multiplier, "every": fp.every, "step_ms": statistics.median(times) * 1e3,
+                "budget": fp.budget}
+    finally:
+        agent.uninstall()
+
+
 def miss_rates(trials: int, probe_lines: int) -> dict:
     agent = make_agent(grad_check_budget=0.0)
     try:
@@ -259,12 +293,17 @@ def main(argv=None) -> int:
             print(f"{mode:<8}{step_ms:>10.3f}{step_ms / base:>10.3f}{check_us:>15.1f}")
         adaptive = budgeted_run(args.steps)
         print(f"with the default budget ({adaptive['budget']:.3%} of step time): full check every "
-              f"{adaptive['stride']} steps, probe of {adaptive['probe_lines']} cache lines per bucket, "
+              f"{adaptive['stride']} steps, probe of {adaptive['probe_lines']} elements per bucket (at least one per parameter), "
               f"step {adaptive['step_ms']:.3f} ms ({adaptive['step_ms'] / base:.3f} x off), "
               f"checker {adaptive['check_us']:.1f} us/step on average")
+        fp = fingerprint_cost(args.steps)
+        print(f"fingerprint: {fp['tensors']} tensors, {fp['cost_us']:.1f} us each; with fingerprint_every=1 and "
+              f"its share of the budget ({fp['budget']:.3%} of step time) the interval settles at "
+              f"{fp['every'] * fp['multiplier']} steps (step {fp['step_ms']:.3f} ms)")
         for lines in (512, 16):
             rates = miss_rates(args.trials, lines)
-            print(f"probe of {lines} cache lines per bucket ({rates['bucket_elements']:,} gradient elements), "
+            print(f"probe of {lines} elements per bucket, at least one per parameter "
+                  f"({rates['bucket_elements']:,} gradient elements), "
                   f"steps the budget samples out:")
             for kind in ("one_gradient_element", "one_sample_backward_logits", "one_sample_backward_middle",
                          "one_sample_loss"):

@@ -188,6 +188,24 @@ def test_eval_forwards_are_not_steps_and_do_not_touch_the_loss(agent):
     assert all(r.loss is not None and r.loss < 1e3 for r in records), [r.loss for r in records]
 
 
+def test_rank_local_extra_backward_is_not_the_training_loss(agent):
+    model = DDP(_net())
+    aux = _net()  # not DDP: e.g. a probe network trained on rank 0 only
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    aux_opt = torch.optim.SGD(aux.parameters(), lr=0.01)
+    for _ in range(4):
+        opt.zero_grad()
+        x, y = _batch()
+        (model(x) - y).pow(2).mean().backward()
+        opt.step()
+        aux_opt.zero_grad()
+        (aux(x) * 1e6).pow(2).mean().backward()  # huge, unrelated loss
+        aux_opt.step()
+    records = _records(agent)
+    assert agent.progress.step == 4
+    assert all(r.loss is not None and r.loss < 1e3 for r in records), [r.loss for r in records]
+
+
 def test_grad_scaler_loss_is_reported_unscaled(agent):
     model = DDP(_net())
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
