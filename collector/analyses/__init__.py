@@ -100,6 +100,8 @@ def explains(cause: wire.Verdict, effect: wire.Verdict) -> bool:
     c0, e0, e_detected = _cause_time(cause), _cause_time(effect), _t(effect.detected_at)
     after = e0 >= c0 - SLACK
     same_ranks = bool(effect.ranks) and set(effect.ranks) <= set(cause.ranks)
+    if cause.kind == effect.kind and set(cause.ranks) == set(effect.ranks):
+        return c0 <= e0  # the same fault seen twice (two incidents, two sources): one verdict
     if cause.kind == "collective_mismatch":
         # Collectives paired with the wrong partner: hangs, aborts (the
         # culprit's own SIGABRT included), wrong averages (divergence, spikes,
@@ -133,8 +135,9 @@ def explains(cause: wire.Verdict, effect: wire.Verdict) -> bool:
             return _later_step(cause, effect) and not same_ranks
         return False
     if effect.kind in ("weight_divergence", "grad_spike"):
-        # NaN weights never compare equal; a NaN is not a spike.
-        return cause.kind in ("nonfinite", "grad_spike") and cause.kind != effect.kind and after
+        # NaN weights never compare equal, and their norms are no history to
+        # judge a spike by.
+        return cause.kind == "nonfinite" and after
     if effect.kind in ("straggler", "oom"):
         # A leaking rank slows down (allocator, swapping, GC) and runs out.
         return cause.kind == "memory_growth" and same_ranks
@@ -195,6 +198,8 @@ def _with_consequences(root: wire.Verdict, effects: list[wire.Verdict]) -> wire.
     evidence["consequences"] = records
     kinds: list[str] = []
     for effect in effects:
+        if effect.kind == root.kind and set(effect.ranks) == set(root.ranks):
+            continue  # the same fault seen twice says nothing new
         text = f"{effect.kind} on {ranks_text(effect.ranks)}" if effect.ranks else effect.kind
         if text not in kinds:
             kinds.append(text)

@@ -47,6 +47,9 @@ OUT_OF_MEMORY = re.compile(
 TEARDOWN_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT}
 SETTLE_SECONDS = 3.0  # peers' failures arrive within this window after the cause
 SAME_CAUSE_WINDOW = 2.0  # independent failures this close together are all culprits
+# A rank's exit time (its agent's or the supervisor's clock) and its peers'
+# failure times are compared with this slack.
+LEFT_SLACK_S = 2.0
 
 
 @dataclass
@@ -75,7 +78,8 @@ def failure_of(state: RankState) -> Optional[Failure]:
         if state.exited_at is not None:
             at = min(at, state.exited_at)
         return Failure(
-            rank=state.rank, at=at, cause=(one_line(text) if "Original Traceback" in text else text[:500]), kind="exception",
+            rank=state.rank, at=at, kind="exception",
+            cause=one_line(text) if "Original Traceback" in text else text[:500],
             peer_caused=_peer_caused(text, str(exc.details.get("traceback", ""))),
             collective_error=_is_mismatch(text), exit_code=state.exit_code if state.exit_code is not None else 1,
             step=exc.step, traceback=str(exc.details.get("traceback", ""))[-3000:],
@@ -219,4 +223,4 @@ def _left_cleanly_before(run: RunState, found: list[Failure]) -> bool:
     still in a collective with it."""
     first = min(f.at for f in found)
     return any(s.exit_code == 0 and s.exited_at is not None and not s.killed_by_rankwatch
-               and s.exited_at <= first + 2.0 for s in run.ranks.values())
+               and s.exited_at <= first + LEFT_SLACK_S for s in run.ranks.values())

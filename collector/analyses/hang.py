@@ -278,16 +278,13 @@ def _native_top(text: str) -> str:
 
 # -- a rank that left the loop while its peers were in a collective with it ------------
 
-LEFT_SLACK_S = 2.0  # a rank's exit time and its peers' failure times come from different clocks
-
-
 def left_the_loop(run: RunState, now: float) -> Optional[wire.Verdict]:
     """A rank exited cleanly (exit code 0: it ran out of data, returned from
     main, called sys.exit) and after that its peers failed with a peer error
     ("Connection closed by peer"): they were still inside a collective with
     it. It is the culprit; their failures are consequences. A rank that
     exited non-zero is `crash`'s."""
-    from .crash import failures
+    from .crash import LEFT_SLACK_S, failures
 
     found = failures(run)
     if not found or run.interrupted:
