@@ -433,6 +433,17 @@ def INT(value: Any, path: str) -> int:
     return value
 
 
+_DECIMAL = re.compile(r"^-?[0-9]{1,18}$")
+
+
+def INTLIKE(value: Any, path: str) -> Any:
+    """An integer, or one written as a decimal string (Flight Recorder writes
+    its pg_status counters as strings); kept as it is, readers convert."""
+    if isinstance(value, str) and _DECIMAL.match(value):
+        return value
+    return INT(value, path)
+
+
 def NUM(value: Any, path: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         _fail(path, "a finite number", value)
@@ -524,13 +535,18 @@ _IN_FLIGHT = obj(op=STR, numel=opt(INT), entered_at=opt(NUM), callsite=opt(STR))
 _PROGRESS = obj(step=opt(INT), forwards=opt(INT), phase=opt(STR), phase_since=opt(NUM), last_progress_at=opt(NUM),
                 started_at=opt(NUM), pid=opt(INT), collective=opt(_IN_FLIGHT))
 _MARK = obj(step=INT, seqs=dict_of(INT))
-_SEQ = either(INT, STR)  # torch's Flight Recorder writes pg_status sequence numbers as strings ("12")
-_PG_STATUS = dict_of(obj(enqueued=opt(INT), completed=opt(INT), last_enqueued_collective=opt(_SEQ),
+# Flight Recorder's own format: torch 2.13 writes pg_status sequence numbers as
+# strings ("12"). As lenient as its readers in collector/evidence.py are (they
+# convert with int()), strict where they are not.
+_SEQ = INTLIKE
+_PG_STATUS = dict_of(obj(enqueued=opt(INTLIKE), completed=opt(INTLIKE), last_enqueued_collective=opt(_SEQ),
                          last_completed_collective=opt(_SEQ), last_started_collective=opt(_SEQ)))
-_FR_ENTRY = obj(process_group=opt(lst(SCALAR)), pg_id=opt(SCALAR), profiling_name=opt(STR),
-                collective_seq_id=opt(INT), input_sizes=opt(lst(either(lst(INT), INT))), input_dtypes=opt(lst(STR)),
-                time_created_ns=opt(INT), retired=opt(BOOL), thread_id=opt(SCALAR), is_p2p=opt(BOOL))
-_PY_CALL = obj(started_ns=opt(INT), ended_ns=opt(INT), thread=opt(SCALAR), callsite=opt(STR), op=opt(STR))
+_FR_ENTRY = obj(process_group=opt(lst(SCALAR)), pg_id=opt(SCALAR), profiling_name=opt(SCALAR),
+                collective_seq_id=opt(INTLIKE), input_sizes=opt(lst(either(lst(SCALAR), SCALAR))),
+                input_dtypes=opt(lst(SCALAR)), time_created_ns=opt(INTLIKE), retired=opt(SCALAR),
+                thread_id=opt(SCALAR), is_p2p=opt(SCALAR))
+_PY_CALL = obj(started_ns=opt(INTLIKE), ended_ns=opt(INTLIKE), thread=opt(SCALAR), callsite=opt(SCALAR),
+               op=opt(SCALAR))
 _SNAPSHOT_BLOCK = obj(size=opt(INT), state=opt(STR), frames=opt(lst(obj(filename=opt(STR), line=opt(INT),
                                                                         name=opt(STR)))))
 _SNAPSHOT = obj(segments=opt(lst(obj(total_size=opt(INT), blocks=opt(lst(_SNAPSHOT_BLOCK))))),

@@ -164,3 +164,17 @@ def test_bundle_is_written_as_plain_ustar_with_strict_json():
     assert steps[0]["loss"] == "NaN"
     loss = wire.decode(wire.StepRecord, steps[0]).loss
     assert isinstance(loss, float) and loss != loss  # read back as a float NaN
+
+
+# A real torch 2.13 Flight Recorder dump (gloo, two entries; pg_status counters are strings).
+_REAL_FR = '{"comm_lib_version":"","entries":[{"collective_seq_id":1,"input_dtypes":["Float"],"input_sizes":[[4]],"is_p2p":false,"op_id":1,"output_dtypes":["Float"],"output_sizes":[[4]],"p2p_seq_id":0,"pg_id":0,"process_group":["0","default_pg"],"profiling_name":"gloo:all_reduce","record_id":0,"retired":true,"state":"scheduled","thread_id":"140691739446144","thread_name":"python","time_created_ns":1795336311182292988,"time_discovered_completed_ns":0,"time_discovered_started_ns":0,"timeout_ms":1800000},{"collective_seq_id":2,"input_dtypes":["Float"],"input_sizes":[[4]],"is_p2p":false,"op_id":2,"output_dtypes":["Float"],"output_sizes":[[4]],"p2p_seq_id":0,"pg_id":0,"process_group":["0","default_pg"],"profiling_name":"gloo:broadcast","record_id":1,"retired":true,"state":"scheduled","thread_id":"140691739446144","thread_name":"python","time_created_ns":1795336311182489456,"time_discovered_completed_ns":0,"time_discovered_started_ns":0,"timeout_ms":1800000}],"nccl_comm_state":{},"pg_config":{"":{"desc":"","name":"","ranks":"[0]"}},"pg_status":{"0":{"last_completed_collective":"3","last_enqueued_collective":"3","last_started_collective":"-1"}},"version":"2.10"}'
+
+
+def test_a_real_flight_recorder_dump_passes_its_schema():
+    from rankwatch.collector.evidence import from_bundle
+
+    bundle = unpack(pack(_manifest(), {"flight_recorder.json": _REAL_FR.encode()}))
+    assert not bundle.manifest.notes, bundle.manifest.notes
+    evidence = from_bundle(bundle)
+    assert [(e.op, e.seq) for e in evidence.collectives] == [("all_reduce", 1), ("broadcast", 2)]
+    assert evidence.pg_enqueued == {"0": 3}
