@@ -397,3 +397,40 @@ def test_all_to_all_with_per_rank_split_sizes_is_not_a_mismatch():
         run.rank(r).evidence["hang-1"] = RankEvidence(rank=r, reason="hang", created_at=T, source="agent",
                                                       collectives=entries)
     assert collective_mismatch.detect(run, T, True) == []
+
+
+def _uneven_run(leaver_code: int, rank2_error: tuple = ()) -> RunState:
+    run = RunState(run_id="r", world_size=3)
+    for r in range(3):
+        state = run.rank(r)
+        state.step, state.phase = 8, "backward"
+    leaver = run.ranks[1]
+    leaver.exit_code, leaver.exited_at = leaver_code, T
+    leaver.events.append(wire.Event(kind="exit", at=T, step=8, details={"exit_code": leaver_code, "phase": "data"}))
+    for r in (0, 2):
+        state = run.ranks[r]
+        state.enqueued = {"0": 14}
+        etype, message, at = (rank2_error if r == 2 and rank2_error else (
+            "RuntimeError", "[gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.1]:123", T + 0.2))
+        state.events.append(wire.Event(kind="exception", at=at, step=8, details={
+            "type": etype, "message": message, "traceback": "", "phase": "backward"}))
+        state.exit_code, state.exited_at = 1, T + 0.4
+    return run
+
+
+def test_clean_exit_before_peers_connection_errors_is_the_culprit():
+    from rankwatch.collector.analyses import crash, run_all
+
+    run = _uneven_run(0)
+    assert crash.detect(run, T + 10, True) == [], "no victim is blamed"
+    verdicts = run_all(run, T + 10, True)
+    assert [(v.kind, v.ranks, v.step) for v in verdicts] == [("hang", [1], 8)]
+    assert "collective #14" in verdicts[0].summary and "'Connection closed by peer'" in verdicts[0].summary
+    assert sorted(c["ranks"][0] for c in verdicts[0].evidence["consequences"]) == [0, 2]
+
+
+def test_a_peers_own_error_after_a_clean_exit_is_still_its_crash():
+    run = _uneven_run(0, rank2_error=("KeyError", "'labels'", T - 5))
+    from rankwatch.collector.analyses import run_all
+
+    assert [(v.kind, v.ranks) for v in run_all(run, T + 10, True)] == [("crash", [2])]

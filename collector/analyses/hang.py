@@ -312,7 +312,9 @@ def left_the_loop(run: RunState, now: float) -> Optional[wire.Verdict]:
     victim_ranks = sorted({v.rank for v in victims})
     seq = _victims_collective(run, victim_ranks)
     where_text = f"collective #{seq[1]} of process group {seq[0]}" if seq else "a collective"
-    causes = sorted({_peer_error(v.cause) for v in victims})
+    # What the peers themselves said (torchrun's SIGTERM of the rest says nothing).
+    causes = sorted({_peer_error(v.cause) for v in victims if v.kind == "exception"}
+                    or {_peer_error(v.cause) for v in victims})
     summary = (f"{ranks_text(culprits).capitalize()} left the training loop and exited cleanly (exit code 0) "
                f"at step {step}" + (f", phase {phase}" if phase not in ("", "exited", "unknown") else "")
                + f" ({located(run, culprits[:1])}), while {ranks_text(victim_ranks)} "
