@@ -147,3 +147,29 @@ def redact_obj(obj: Any) -> Any:
     if isinstance(obj, str):
         return redact_text(obj)
     return obj
+
+
+def install_log_redaction() -> None:
+    """Redact rankwatch's own log records (messages and tracebacks) as they
+    are made. For rankwatch's processes only (the collector, the launcher):
+    never installed inside a training process, whose logging is the user's."""
+    import logging
+    import traceback
+
+    previous = logging.getLogRecordFactory()
+    if getattr(previous, "_rankwatch_redacts", False):
+        return
+
+    def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = previous(*args, **kwargs)
+        if record.name.startswith("rankwatch"):
+            try:
+                record.msg, record.args = redact_text(record.getMessage()), ()
+                if record.exc_info and record.exc_info[0] is not None:
+                    record.exc_text = redact_text("".join(traceback.format_exception(*record.exc_info)).rstrip())
+            except Exception:
+                pass  # logging must never fail because of redaction
+        return record
+
+    factory._rankwatch_redacts = True  # type: ignore[attr-defined]
+    logging.setLogRecordFactory(factory)

@@ -629,3 +629,30 @@ def test_peak_memory_summary():
     """Prints the peaks measured above (for the closing note); asserts nothing new."""
     for name, peak in sorted(PEAKS.items()):
         print(f"bomb {name}: peak {peak:.1f} MiB")
+
+
+def test_rankwatch_log_lines_are_redacted(monkeypatch):
+    import logging
+
+    import rankwatch.redact as redact_mod
+
+    secret = "log-secret-value-0123456789"
+    monkeypatch.setenv("SERVICE_TOKEN", secret)
+    monkeypatch.setattr(redact_mod, "_cache", (-1e9, None))
+    previous = logging.getLogRecordFactory()
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    log = logging.getLogger("rankwatch.test-redaction")
+    log.addHandler(handler)
+    try:
+        redact_mod.install_log_redaction()
+        log.warning("bundle from %s", secret)
+        try:
+            raise ValueError(f"echo {secret}")
+        except ValueError:
+            log.exception("request failed")
+    finally:
+        log.removeHandler(handler)
+        logging.setLogRecordFactory(previous)
+    text = stream.getvalue()
+    assert secret not in text and text.count(REDACTED) == 2, text
