@@ -656,3 +656,19 @@ def test_rankwatch_log_lines_are_redacted(monkeypatch):
         logging.setLogRecordFactory(previous)
     text = stream.getvalue()
     assert secret not in text and text.count(REDACTED) == 2, text
+
+
+@pytest.mark.parametrize("name", ["pid-2^64", "surrogate-host", "world-0", "run-id-dotdot", "rank-1e30"])
+def test_hostile_heartbeat_inside_a_node_report_changes_nothing(server, name):
+    payload, _ = HOSTILE_HEARTBEATS[name]
+    bad = json.loads(payload)
+    good = _hb(run="relayed", rank=0)
+    before = _state(server.collector)
+    body = json.dumps({"version": 1, "sent_at": time.time(), "node": None, "heartbeats": [good, bad]}).encode()
+    status, answer = _request(server.url, "/v1/node-report", body)
+    assert status == 400, (status, answer[:300])
+    assert _strict_loads(answer)["error"]
+    assert _state(server.collector) == before
+    ok = json.dumps({"version": 1, "sent_at": time.time(), "node": None, "heartbeats": [good]}).encode()
+    assert _request(server.url, "/v1/node-report", ok)[0] == 200
+    _serves(server)
