@@ -163,14 +163,18 @@ def _copy_opaque(original: bytes, opaque: dict[str, int], tar: tarfile.TarFile, 
             stream.skip(padded)
 
 
-def repack(bundle: Bundle, original: bytes) -> bytes:
+def repack(bundle: Bundle, original: Optional[bytes] = None) -> bytes:
     """The archive of what was read and validated (redacted text, checked
     JSON, opaque members copied from ``original``): what the collector
-    stores, never the bytes it was sent."""
+    stores, never the bytes it was sent. Without ``original`` the opaque
+    members are left out (and a note says so)."""
     blobs = {name: _encode(content) for name, content in {**bundle.json_members, **bundle.text_members}.items()}
     manifest = wire.decode(wire.BundleManifest, wire.to_dict(bundle.manifest))
-    manifest.members = sorted(set(blobs) | set(bundle.opaque_members))
-    return _write(manifest, blobs, original, bundle.opaque_members)
+    opaque = bundle.opaque_members if original is not None else {}
+    if bundle.opaque_members and original is None:
+        manifest.notes.append(f"opaque members not kept: {', '.join(sorted(bundle.opaque_members))}")
+    manifest.members = sorted(set(blobs) | set(opaque))
+    return _write(manifest, blobs, original, opaque)
 
 
 # --------------------------------------------------------------------------
@@ -272,9 +276,10 @@ def _header(block: bytes, index: int) -> Optional[tuple[str, int, bool]]:
     return name, _octal(block[124:136], f"size of {name}"), True
 
 
-def unpack(data: bytes, source: Optional[str] = None) -> Bundle:
+def unpack(data: bytes, source: Optional[str] = None, keep_opaque: bool = False) -> Bundle:
     """Read and validate a bundle archive (gzip'd or plain tar). Opaque members
-    are skipped in chunks, never held (``repack`` copies them the same way)."""
+    are skipped in chunks, never held (``repack`` copies them the same way);
+    ``keep_opaque`` is accepted for older callers and changes nothing."""
     if len(data) > wire.MAX_BUNDLE_BYTES:
         raise BundleError(f"bundle of {len(data)} bytes exceeds the {wire.MAX_BUNDLE_BYTES}-byte limit")
     stream = _Inflater(data, MAX_INFLATED_BYTES)
