@@ -87,12 +87,26 @@ def test_healthy_run_has_no_verdict(cluster, tmp_path):
     assert job.report["world_size"] == 2
 
 
-def test_crash_names_the_rank_that_raised(cluster, tmp_path):
-    job = run_driver(cluster, tmp_path, "crash", ["--fault", "crash", "--fault-rank", "1", "--fault-step", "4"])
+def test_crash_names_the_rank_that_raised_with_a_standalone_collector(cluster, tmp_path):
+    # The collector as a service (token required) instead of embedded in Ray's controller.
+    port = _free_port()
+    token = "ray-test-" + os.urandom(8).hex()
+    data = tmp_path / "collector-data"
+    service = subprocess.Popen([sys.executable, "-m", "rankwatch.cli", "collector", "serve", "--host", "127.0.0.1",
+                                "--port", str(port), "--data-dir", str(data), "--token", token],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_healthy(port, service)
+        job = run_driver(cluster, tmp_path, "crash", ["--fault", "crash", "--fault-rank", "1", "--fault-step", "4"],
+                         extra_env={"RANKWATCH_COLLECTOR": f"http://127.0.0.1:{port}", "RANKWATCH_TOKEN": token})
+    finally:
+        service.terminate()
+        service.communicate(timeout=20)
     assert job.exit_code != 0, "Ray raises the worker's error from fit()"
     crash = job.only("crash")
     assert crash["ranks"] == [1] and crash["step"] == 4
     assert "injected failure: bad batch" in crash["summary"]
+    assert list(data.glob("runs/crash-*/bundles/*/rank-00001*.tar.gz")), "the crash bundle went to the service"
 
 
 def test_killed_worker_is_a_crash_by_sigkill(cluster, tmp_path):
@@ -210,6 +224,30 @@ def test_training_thread_is_read_as_the_main_thread():
              {"name": "TrainingThread(train_fn)", "main": False, "frames": []}]
     mark_training_thread(named)
     assert [t["main"] for t in named] == [False, True]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_healthy(port: int, service: subprocess.Popen, timeout: float = 30.0) -> None:
+    import urllib.request
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert service.poll() is None, service.communicate()[0][-2000:]
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError("the standalone collector did not come up")
 
 
 def _seconds(iso: str) -> float:
