@@ -194,6 +194,8 @@ class RankwatchCallback(ControllerCallback, WorkerGroupCallback, WorkerCallback)
             cfg = replace(cfg, token=self._token, bind=self._bind_address(cfg.bind))
             self._collector, self._server = start_embedded(cfg, self._run_dir)
             self._url = self._server.url
+            if cfg.bind in ("0.0.0.0", "::", ""):  # every interface: the workers use the node's address
+                self._url = f"http://{ray.util.get_node_ip_address()}:{self._server.httpd.server_address[1]}"
         self.config = cfg
         env = self._worker_env()
         runtime_env = run_config.worker_runtime_env

@@ -81,10 +81,13 @@ def run_driver(cluster: str, tmp_path: Path, name: str, args: list[str], timeout
 
 
 def test_healthy_run_has_no_verdict(cluster, tmp_path):
-    job = run_driver(cluster, tmp_path, "healthy", ["--steps", "25"])
+    # Bound to every interface (what a multi-node cluster needs): the workers get the node's address.
+    job = run_driver(cluster, tmp_path, "healthy", ["--steps", "25"], extra_env={"RANKWATCH_BIND": "0.0.0.0"})
     assert job.exit_code == 0, job.output[-4000:]
     assert job.report["status"] == "healthy" and job.report["verdicts"] == [], json.dumps(job.report, indent=1)
     assert job.report["world_size"] == 2
+    advertised = re.search(r"collector (http://\S+)", job.output)
+    assert advertised and not advertised.group(1).startswith("http://0.0.0.0"), job.output[-3000:]
 
 
 def test_crash_names_the_rank_that_raised_with_a_standalone_collector(cluster, tmp_path):
