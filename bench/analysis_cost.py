@@ -8,7 +8,7 @@ the ingest lock), one /metrics rendering, and the memory per rank.
     python bench/analysis_cost.py --cell 1024 2048      # one cell, JSON
 
 Each cell runs in its own process (RSS per cell). The records are realistic
-(compute and data time, loss, local gradient norm, RSS; one rank slowly noisy)
+(compute and data time, loss, local gradient norm, RSS, collective marks)
 and go through the same path as live ingest (`RankState.add_step`, the run's
 feed, `Collector.tick`), without HTTP or the index (bench/collector_load.py
 measures those).
@@ -94,6 +94,8 @@ def cell(n: int, s: int, full_records: int, tail: int) -> dict:
     build_started = time.process_time()
     for step in range(first, s - 1):
         add_step(step)
+        if step == first:
+            collector._collect_garbage(t0 + step)  # the live collector's garbage-collection policy for N ranks
         if (step + 1) % HEARTBEAT_STEPS == 0:
             settle(run)
     settle(run)
@@ -107,6 +109,7 @@ def cell(n: int, s: int, full_records: int, tail: int) -> dict:
     now = t0 + s
     began = time.perf_counter()
     collector.tick(now)
+    collector._collect_garbage(now)  # as the collector's loop does after each tick
     tick_s = time.perf_counter() - began
     # The analysis pass alone (under the ingest lock), nothing new to take in.
     began = time.perf_counter()
@@ -116,9 +119,12 @@ def cell(n: int, s: int, full_records: int, tail: int) -> dict:
     began = time.perf_counter()
     text = metrics.text(now)
     metrics_s = time.perf_counter() - began
+    began = time.perf_counter()
+    gc.collect()  # a full collection: every FULL_GC_INTERVAL past GC_MANUAL_RANKS, else Python's own schedule
+    full_gc_s = time.perf_counter() - began
     return {
         "ranks": n, "steps": s, "streamed": s - 1 - first + 1, "mode": "full" if full else "tail",
-        "tick_ms": tick_s * 1e3, "pass_ms": pass_s * 1e3, "metrics_ms": metrics_s * 1e3,
+        "tick_ms": tick_s * 1e3, "pass_ms": pass_s * 1e3, "metrics_ms": metrics_s * 1e3, "full_gc_ms": full_gc_s * 1e3,
         "metrics_lines": text.count("\n"), "verdicts": [v.kind for v in verdicts],
         "kib_per_rank": max(0, rss_after - rss_before) / n / 1024, "build_cpu_s": build_cpu,
         "step_window": run.ranks[0].window,
@@ -140,7 +146,7 @@ def main() -> None:
         return
     rows = []
     header = (f"{'ranks':>7} {'steps':>7} {'streamed':>13} {'tick ms':>9} {'pass ms':>9} {'/metrics ms':>11} "
-              f"{'KiB/rank':>9} {'verdicts':>8}")
+              f"{'full GC ms':>10} {'KiB/rank':>9} {'verdicts':>8}")
     print(header)
     print("-" * len(header))
     for n in a.ranks:
@@ -157,7 +163,8 @@ def main() -> None:
                 continue
             streamed = f"{row['streamed']} ({row['mode']})"
             print(f"{n:>7} {s:>7} {streamed:>13} {row['tick_ms']:>9.1f} {row['pass_ms']:>9.1f} "
-                  f"{row['metrics_ms']:>11.1f} {row['kib_per_rank']:>9.2f} {len(row['verdicts']):>8}", flush=True)
+                  f"{row['metrics_ms']:>11.1f} {row['full_gc_ms']:>10.1f} {row['kib_per_rank']:>9.2f} "
+                  f"{len(row['verdicts']):>8}", flush=True)
 
 
 if __name__ == "__main__":

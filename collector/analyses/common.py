@@ -227,7 +227,10 @@ def _settle(run, final: bool) -> None:
     if sealer is None:
         sealer = run.trackers["_sealer"] = _Sealer()
     active = [tracker(run, name) for name in TRACKERS]
-    for kind, rank, item in run.feed.drain():
+    items = run.feed.drain()
+    if not items and not final:
+        return  # nothing new: O(1), however many ranks (each analysis calls settle)
+    for kind, rank, item in items:
         if kind == "step":
             step = item.step
             if step <= sealer.sealed_upto:
