@@ -62,9 +62,12 @@ def load(path: Path) -> tuple[RunState, list[str]]:
     bundles = []
     for file in _bundle_files(path):
         try:
-            bundles.append(read_path(file))
+            bundle = read_path(file)
         except (BundleError, wire.WireError, OSError) as exc:
             problems.append(f"{file}: {exc}")
+            continue
+        bundles.append(bundle)
+        problems.extend(f"{file}: {note}" for note in bundle.manifest.notes if ": dropped" in note)
     if run is None:
         if not bundles:
             raise AnalyzeError(f"{path}: no rankwatch index and no readable bundle found"

@@ -413,31 +413,55 @@ _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 
 
+_STRING_REST = re.compile(rb'[^"\\]*(?:\\.[^"\\]*)*"', re.S)  # the end of a string begun earlier
+_SCAN_CHUNK = 1 << 20
+
+
 def check_json_text(raw: bytes | str, what: str, max_depth: int = MAX_JSON_DEPTH,
                     max_containers: int = MAX_JSON_CONTAINERS, max_values: int = MAX_JSON_VALUES) -> tuple[int, int]:
     """Bound the nesting depth and the number of objects of a JSON text
-    without parsing it (no recursion, linear time): strings are blanked out,
-    then brackets and commas are counted. Returns (objects and arrays, values)."""
+    without parsing it (no recursion, linear time, memory bounded by one
+    chunk): strings are blanked out chunk by chunk, then brackets and commas
+    are counted. Returns (objects and arrays, values)."""
     if isinstance(raw, str):
         raw = raw.encode("utf-8", "surrogatepass")
-    stripped = _JSON_STRING.sub(b'""', raw)
-    containers = stripped.count(b"{") + stripped.count(b"[")
-    if containers > max_containers:
-        raise WireError(f"{what}: {containers} JSON objects/arrays exceed the limit of {max_containers}")
-    values = containers + stripped.count(b",")
-    if values > max_values:
-        raise WireError(f"{what}: about {values} JSON values exceed the limit of {max_values}")
-    depth = deepest = 0
-    for c in stripped.translate(None, _NOT_BRACKETS):
-        if c == 91 or c == 123:  # [ {
-            depth += 1
-            if depth > deepest:
-                deepest = depth
-                if deepest > max_depth:
-                    raise WireError(f"{what}: JSON nested deeper than {max_depth} levels")
-        else:
-            depth -= 1
-    return containers, values
+    containers = values = depth = deepest = 0
+    in_string = False
+    pos, size = 0, len(raw)
+    while pos < size:
+        end = min(size, pos + _SCAN_CHUNK)
+        while end < size and raw[end - 1] == 0x5C:  # never cut an escape (backslash) in two
+            end += 1
+        chunk = raw[pos:end]
+        pos = end
+        if in_string:
+            rest = _STRING_REST.match(chunk)
+            if rest is None:
+                continue  # the whole chunk is inside one string
+            chunk = chunk[rest.end():]
+            in_string = False
+        # Complete strings become one NUL byte (never valid outside a string);
+        # a quote left over opens a string that goes on in the next chunk.
+        stripped = _JSON_STRING.sub(b"\0", chunk)
+        opened = stripped.find(b'"')
+        if opened >= 0:
+            stripped, in_string = stripped[:opened], True
+        containers += stripped.count(b"{") + stripped.count(b"[")
+        if containers > max_containers:
+            raise WireError(f"{what}: JSON objects/arrays exceed the limit of {max_containers}")
+        values += stripped.count(b",")
+        if containers + values > max_values:
+            raise WireError(f"{what}: JSON values exceed the limit of {max_values}")
+        for c in stripped.translate(None, _NOT_BRACKETS):
+            if c == 91 or c == 123:  # [ {
+                depth += 1
+                if depth > deepest:
+                    deepest = depth
+                    if deepest > max_depth:
+                        raise WireError(f"{what}: JSON nested deeper than {max_depth} levels")
+            else:
+                depth -= 1
+    return containers, containers + values
 
 
 def parse_json(raw: bytes | str, what: str, limit: int = MAX_MESSAGE_BYTES, max_depth: int = MAX_JSON_DEPTH,

@@ -291,6 +291,13 @@ def _bomb_nested_json() -> bytes:
                         + [b"\0" * 1024])
 
 
+def _bomb_nested_json_in_limits() -> bytes:
+    # Two ~24 MiB members of tiny objects: within the byte limits, far beyond the object budget.
+    blob = b"[" + b",".join([b'{"a":{"b":[]}}'] * 1_700_000) + b"]"
+    return _gzip_stream([_member("manifest.json", _manifest_bytes()), _member("stacks.json", blob),
+                         _member("metrics.json", blob), b"\0" * 1024])
+
+
 def _bomb_budget_json() -> bytes:
     # Each member within the per-member limits; together beyond the bundle's object budget.
     blob = b"[" + b",".join([b'{"a":{}}'] * 9_000) + b"]"
@@ -315,6 +322,7 @@ BOMBS = {
     "pax-header": (_bomb_pax, True, 32),
     "gzip-bomb": (_bomb_gzip, True, 32),
     "nested-json": (_bomb_nested_json, True, 192),
+    "nested-json-in-limits": (_bomb_nested_json_in_limits, False, 192),
     "json-object-budget": (_bomb_budget_json, False, 128),
     "deep-json": (_bomb_deep_json, False, 32),
     "many-members": (_bomb_many_members, True, 32),
@@ -363,7 +371,7 @@ def test_bundle_bomb_is_bounded_in_memory_and_never_stored(tmp_path, bombs, name
         assert any("dropped" in note for note in again.manifest.notes), again.manifest.notes
 
 
-@pytest.mark.parametrize("name", ["gnu-long-name", "pax-header", "nested-json"])
+@pytest.mark.parametrize("name", ["gnu-long-name", "pax-header", "nested-json", "nested-json-in-limits"])
 def test_analyze_of_a_bomb_stays_small(tmp_path, bombs, name):
     run_dir = tmp_path / "run"
     (run_dir / "bundles" / "hang-1").mkdir(parents=True)
