@@ -105,8 +105,14 @@ class CollectorProcess:
 
     def status(self) -> dict[str, Any]:
         request = urllib.request.Request(self.url + "/v1/status", headers={"Authorization": f"Bearer {TOKEN}"})
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return json.loads(response.read())
+        for attempt in range(3):
+            try:
+                with urllib.request.urlopen(request, timeout=60) as response:
+                    return json.loads(response.read())
+            except OSError:
+                if attempt == 2:
+                    raise
+        return {}
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
@@ -306,9 +312,11 @@ async def run_load(url: str, job: Job, mode: str, history: int, measure: float, 
     # The collector's cadence at this size (same rule as the service).
     from rankwatch.collector.service import node_report_interval
 
-    sim.interval = (node_report_interval(job.ranks) or 1.0) if mode == "relay" else 1.0
+    sim.interval = (node_report_interval(job.ranks, hang_timeout) or 1.0) if mode == "relay" else 1.0
     loop = asyncio.get_running_loop()
-    tasks = [loop.create_task(sim.node(n, sim.interval * n / nodes)) for n in range(nodes)]
+    # Start-up spread so the histories arrive at about 1,000 nodes a second.
+    spread = max(sim.interval, nodes / 1000)
+    tasks = [loop.create_task(sim.node(n, spread * n / nodes)) for n in range(nodes)]
     # Warm up: every node connected and its history sent, and one more interval.
     deadline = time.time() + 300
     while sim.warm < nodes and time.time() < deadline:
@@ -352,6 +360,7 @@ async def run_load(url: str, job: Job, mode: str, history: int, measure: float, 
             status = await loop.run_in_executor(None, collector.status)
         except OSError:
             continue
+        result.setdefault("first_status_after_s", time.time() - frozen_at)
         for v in status.get("runs", {}).get(RUN_ID, {}).get("verdicts", []):
             if v["kind"] == "hang":
                 verdict = v

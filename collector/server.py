@@ -67,14 +67,20 @@ def _json(status: int, payload: Any, headers: Optional[dict[str, str]] = None) -
 _EMPTY_REPLY = {"commands": [], "version": wire.WIRE_VERSION}
 
 
-def _reply_dict(reply: Any) -> dict[str, Any]:
-    """Most replies carry no command: no dataclasses.asdict for those."""
+_EMPTY_BYTES: dict[Any, bytes] = {}
+
+
+def _reply_dict(reply: Any) -> Any:
+    """Most replies carry no command: encoded once, not per request."""
     if not reply.commands and not getattr(reply, "ranks", None):
-        out = dict(_EMPTY_REPLY)
         interval = getattr(reply, "interval", None)
-        if interval is not None:
-            out["interval"] = interval
-        return out
+        cached = _EMPTY_BYTES.get(interval)
+        if cached is None:
+            out = dict(_EMPTY_REPLY)
+            if interval is not None:
+                out["interval"] = interval
+            cached = _EMPTY_BYTES[interval] = json.dumps(out, separators=(",", ":")).encode()
+        return cached
     return wire.to_dict(reply)
 
 
@@ -459,7 +465,14 @@ class AsyncCollectorServer:
             body = b""
             if method == "POST":
                 try:
-                    body = await asyncio.wait_for(request.read(), max(0.1, server._remaining(protocol)))
+                    if request.content.is_eof():  # the usual case: the whole body is in already
+                        body = await request.read()
+                    else:
+                        body = await asyncio.wait_for(request.read(), max(0.1, server._remaining(protocol)))
+                except (ConnectionError, OSError):  # the client went away mid-body
+                    response = _aio_response(web, _json(400, {"error": "connection lost"}))
+                    response.force_close()
+                    return response
                 except asyncio.TimeoutError:
                     server.cut_off += 1
                     response = _aio_response(web, _json(408, {"error": "request body not received in time"}))
