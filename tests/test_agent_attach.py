@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import ddp_script, wait_until, worker_env
+from conftest import ddp_script, free_port, wait_until, worker_env
 from rankwatch.agent.runtime import collector_url_from_env
 from rankwatch.config import Config, load
 
@@ -51,7 +51,7 @@ def collector(tmp_path):
 
 
 def _torchrun(script, cwd, env):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "0", str(script)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()), str(script)]
     return subprocess.run(cmd, cwd=cwd, env=worker_env(env), capture_output=True, text=True, timeout=180)
 
 

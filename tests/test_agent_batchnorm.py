@@ -44,10 +44,12 @@ PERTURB
 """
 
 
-def _run(tmp_path, broadcast: bool, sync: bool, perturb: str = ""):
+def _run(tmp_path, broadcast: bool, sync: bool, perturb: str = "", budget: str = ""):
     script = ddp_script(tmp_path, "bn.py", _CNN.replace("PERTURB", perturb))
     env = {"BN_BROADCAST": "1" if broadcast else "0", "BN_SYNC": "1" if sync else "0",
            "RANKWATCH_FINGERPRINT_EVERY": "2"}
+    if budget:  # tiny steps: without a generous budget fingerprints are sampled out
+        env["RANKWATCH_GRAD_CHECK_BUDGET"] = budget
     return run_job(tmp_path, ["--nproc-per-node", "3", str(script)], env=env, timeout=240)
 
 
@@ -58,8 +60,10 @@ def _fingerprints(job):
     return {rank: state.fingerprints for rank, state in run.ranks.items()}
 
 
-@pytest.mark.parametrize("broadcast,sync", [(True, False), (False, False), (True, True)],
-                         ids=["batchnorm", "batchnorm-no-broadcast", "syncbatchnorm"])
+# SyncBatchNorm: DDP accepts it only on GPU modules ("SyncBatchNorm layers only
+# work with GPU modules"), so it cannot run in this CPU suite.
+@pytest.mark.parametrize("broadcast,sync", [(True, False), (False, False)],
+                         ids=["batchnorm", "batchnorm-no-broadcast"])
 def test_healthy_batchnorm_cnn_has_no_verdict(tmp_path, broadcast, sync):
     job = _run(tmp_path, broadcast, sync)
     assert job.exit_code == 0, job.output[-3000:]
@@ -75,18 +79,18 @@ def test_healthy_batchnorm_cnn_has_no_verdict(tmp_path, broadcast, sync):
 
 
 def test_perturbed_parameter_still_named_with_batchnorm(tmp_path):
-    # After training, rank 1 changes one weight and takes two more steps.
+    # After training, rank 1 changes one weight and takes six more steps.
     perturb = """
 if dist.get_rank() == 1:
     with torch.no_grad():
         model[0].weight[0, 0, 0, 0] += 1.0
 ddp.train()
-for _ in range(2):
+for _ in range(6):
     opt.zero_grad()
     torch.nn.functional.cross_entropy(ddp(torch.randn(8, 3, 8, 8)), torch.zeros(8, dtype=torch.long)).backward()
     opt.step()
 """
-    job = _run(tmp_path, broadcast=True, sync=False, perturb=perturb)
+    job = _run(tmp_path, broadcast=True, sync=False, perturb=perturb, budget="1.0")
     verdicts = job.verdicts("weight_divergence")
     assert verdicts, job.report
     assert verdicts[0]["ranks"] == [1]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ddp_script, run_job, worker_env
+from conftest import ddp_script, free_port, run_job, worker_env
 
 _TRAIN = """
 import os
@@ -41,7 +41,7 @@ print(f"RESULT rank {dist.get_rank()} loss {loss.item():.6f}", flush=True)
 
 
 def _torchrun(script: Path, cwd: Path, bootstrap: bool, env: dict) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "0"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
     cmd += ["-m", "rankwatch.agent.bootstrap", str(script)] if bootstrap else [str(script)]
     return subprocess.run(cmd, cwd=cwd, env=worker_env(env), capture_output=True, text=True, timeout=180)
 
