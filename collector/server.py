@@ -304,6 +304,8 @@ def _make_handler(routes: Routes):
 
         def _send(self, response: Response) -> None:
             status, body, content_type, headers = response
+            self._reader.deadline = None  # the answer gets its own time, not what is left of the request's
+            self.connection.settimeout(REQUEST_TIMEOUT)
             self.send_response(status)
             self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))

@@ -81,8 +81,16 @@ _step_row = operator.attrgetter(*wire.STEP_COLUMNS)
 
 
 def _dumps(value: Any) -> str:
-    # NaN stays NaN (a NaN loss is the signal): the index is read back by Python's json.
-    return json.dumps(value, separators=(",", ":"), default=str)
+    # Strict JSON (wire.json_text): a NaN loss is stored as "NaN" and read back
+    # as a float by the wire decoder (fingerprint norms by _norms).
+    return wire.json_text(value, compact=True)
+
+
+def _norms(fingerprint: dict[str, Any]) -> dict[str, Any]:
+    norms = fingerprint.get("norms")
+    if isinstance(norms, list):
+        fingerprint["norms"] = [wire.number(v) for v in norms]
+    return fingerprint
 
 
 class _Pending:
@@ -442,7 +450,7 @@ class Store:
                 "SELECT rank, kind, at, step, details FROM events WHERE run_id=? ORDER BY at", (run_id,)):
             run.rank(rank).events.append(wire.Event(kind=kind, at=at, step=step, details=json.loads(details)))
         for rank, data in self._rows("SELECT rank, data FROM fingerprints WHERE run_id=?", (run_id,)):
-            run.rank(rank).fingerprints.append(json.loads(data))
+            run.rank(rank).fingerprints.append(_norms(json.loads(data)))
         for iid, kind, opened, lpa, timeout, details in self._rows(
                 "SELECT id, kind, opened_at, last_progress_at, timeout, details FROM incidents WHERE run_id=?",
                 (run_id,)):
@@ -468,6 +476,5 @@ class Store:
                 index = item.pop("names", None)
                 if isinstance(index, int) and 0 <= index < len(names):
                     item["names"] = names[index]
-                state.fingerprints.append(item)
-            del state.fingerprints[:-256]
+                state.fingerprints.append(_norms(item))  # the rank's log keeps its own bound
 

@@ -161,7 +161,7 @@ class Relay:
                 return True
             report = {"version": wire.WIRE_VERSION, "sent_at": time.time(), "node": node,
                       "heartbeats": list(pending.values())}
-            body = json.dumps(report, separators=(",", ":"), default=str).encode()
+            body = wire.json_text(report, compact=True).encode()  # strict JSON
             try:
                 raw = self.upstream_post("/v1/node-report", body, "application/json", timeout=timeout)
             except Exception as exc:
