@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 MAX_NAMED = 8
 PROBE_ELEMENTS = 512  # elements per bucket and step, on steps the full check is sampled out
 PROBE_MIN, PROBE_MAX = 16, 8192
+PROBE_ROTATIONS = 16
 
 # Module-wide patches (one DDP class, one GradScaler class for every agent).
 _PATCHES = Patches()
@@ -215,7 +216,7 @@ class GradChecker:
         bucket. Every parameter's gradient gets at least one probed element
         and large ones more (about `probe_elements` per bucket in all, spread
         in proportion to size); each probe moves within its slice every step,
-        so a slice is read through over the steps. A NaN from one sample's
+        so a slice is sampled at PROBE_ROTATIONS places over the steps. A NaN from one sample's
         backward poisons whole weight-gradient tensors (or whole rows), so
         this finds it; a lone bad element is found with probability ~ elements
         read / bucket size (bench/grad_check_cost.py measures both). A
@@ -230,9 +231,9 @@ class GradChecker:
         slices = self._probe_slices(bucket, index, buffer)
         if slices is None:
             return
-        starts, lengths = slices
-        shift = self._probe_round * 7919 + index
-        positions = starts + torch.remainder(torch.full_like(lengths, shift), lengths)
+        # One of a few precomputed rotations: every tensor op costs several
+        # microseconds on the autograd thread, so the probe is one gather and one sum.
+        positions = slices[self._probe_round % len(slices)]
         if math.isfinite(float(buffer.take(positions).sum())):
             self._probe_spent += time.perf_counter() - started
             return
@@ -243,9 +244,9 @@ class GradChecker:
             self._name_nonfinite(bucket)
         self._probe_spent += time.perf_counter() - started
 
-    def _probe_slices(self, bucket, index: int, buffer: torch.Tensor):
-        """(start, length) of each probed slice of the bucket, as int64
-        tensors; computed once per bucket layout and probe size."""
+    def _probe_slices(self, bucket, index: int, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """The positions to read, one int64 tensor per rotation; computed once
+        per bucket layout and probe size."""
         n = buffer.numel()
         key = (n, self.probe_elements)
         cached = self._probe_layout.get(index)
@@ -270,7 +271,12 @@ class GradChecker:
             k = max(1, min(n, self.probe_elements))
             starts = [(j * n) // k for j in range(k)]
             lengths = [max(1, ((j + 1) * n) // k - (j * n) // k) for j in range(k)]
-        slices = (torch.tensor(starts, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64))
+        first = torch.tensor(starts, dtype=torch.int64)
+        spans = torch.tensor(lengths, dtype=torch.int64)
+        # Rotations: probe j of a slice reads element (r * 7919 + index) mod length
+        # of it in round r; the slices are read through over the rounds.
+        slices = [first + torch.remainder(torch.full_like(spans, r * 7919 + index), spans)
+                  for r in range(PROBE_ROTATIONS)]
         self._probe_layout[index] = (key, slices)
         return slices
 
