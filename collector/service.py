@@ -32,6 +32,7 @@ log = logging.getLogger("rankwatch.collector")
 
 MAX_EVENTS = 10_000  # per rank, newest kept
 ANALYSIS_INTERVAL = 1.0
+RANKS_PER_ANALYSIS_SECOND = 20_000  # 100,000 ranks: analyses every 5 s (the hang watch still every tick)
 GC_MANUAL_RANKS = 5_000  # ranks watched from which the collector runs Python's garbage collection itself
 FULL_GC_INTERVAL = 300.0
 FINISHED_KEPT_S = 120.0  # a finished run stays in memory this long, then is served from the index
@@ -336,7 +337,11 @@ class Collector:
                 if reply.commands:
                     ranks[str(hb.identity.rank)] = reply.commands
             world = max([report.node.world_size if report.node else 0] + [hb.identity.world_size for hb in good])
-        return wire.NodeReply(commands=commands, ranks=ranks, interval=node_report_interval(world))
+            run_id = report.node.run_id if report.node else (good[0].identity.run_id if good else "")
+            run = self.runs.get(run_id)
+            timeout = (run.hang_timeout if run is not None and run.hang_timeout else None) or self.config.hang_timeout
+        return wire.NodeReply(commands=commands, ranks=ranks,
+                              interval=node_report_interval(world, timeout or self.config.adaptive_floor))
 
     def ingest_bundle(self, data: bytes, run_hint: str = "", now: Optional[float] = None,
                       rank_hint: str = "") -> dict[str, Any]:
@@ -420,8 +425,10 @@ class Collector:
             if not run.finished:
                 self._watch_for_hang(run, now)
                 self._close_incidents(run, now)
-            # Analyses when something new arrived, at most once a second (incidents at once).
-            due = rt.dirty and (now - rt.analysed_at >= ANALYSIS_INTERVAL or rt.urgent)
+            # Analyses when something new arrived, at most once a second, less often on big
+            # jobs (a pass reads every rank once: ~0.6 s at 100,000), incidents at once.
+            interval = max(ANALYSIS_INTERVAL, len(run.ranks) / RANKS_PER_ANALYSIS_SECOND)
+            due = rt.dirty and (now - rt.analysed_at >= interval or rt.urgent)
             if due:
                 rt.dirty = rt.urgent = False
                 rt.analysed_at = now
@@ -652,15 +659,17 @@ def _still_announced(announced: dict[tuple[str, str], wire.Verdict], found: list
     return sorted(kept, key=lambda v: v.first_seen_at)
 
 
-def node_report_interval(world_size: int) -> Optional[float]:
+def node_report_interval(world_size: int, hang_timeout: float = 20.0) -> Optional[float]:
     """The node relays' cadence the collector asks for: every second up to
-    10,000 ranks, every 5 s up to 50,000, every 10 s beyond (about 1,250
-    requests a second at 100,000 ranks). Progress is dated by the agents
-    (RunState.observe_heartbeat), so a slower cadence delays what the
-    collector sees, not when it calls a hang (hang timeouts are longer)."""
-    if world_size > 50_000:
-        return 10.0
-    return 5.0 if world_size > 10_000 else None
+    2,000 ranks, 2 s up to 10,000, 5 s up to 50,000, 10 s beyond (about
+    1,250 requests a second at 100,000 ranks), and never more than half the
+    hang timeout. Progress is dated by the agents (RunState.observe_heartbeat),
+    so the cadence delays what the collector sees, not when it calls a hang;
+    the bound keeps a live rank's latest progress inside the timeout."""
+    if world_size <= 2_000:
+        return None
+    wanted = 2.0 if world_size <= 10_000 else 5.0 if world_size <= 50_000 else 10.0
+    return max(1.0, min(wanted, hang_timeout / 2))
 
 
 def _expand_step_rows(hb: wire.Heartbeat) -> None:
