@@ -63,6 +63,9 @@ def main():
     final = fabric.all_reduce(loss.detach(), reduce_op="mean")
     if fabric.global_rank == 0:
         print(f"final loss: {final.item():.9g}", flush=True)
+    # Without it, gloo's threads may abort the interpreter's exit ("terminate
+    # called without an active exception", SIGABRT) under plain torchrun too.
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -72,6 +72,9 @@ def main():
     trainer.train()
     if trainer.is_world_process_zero():
         print(f"final loss: {LastLoss.loss:.9g}", flush=True)
+    # Without it, gloo's threads may abort the interpreter's exit ("terminate
+    # called without an active exception", SIGABRT) under plain torchrun too.
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

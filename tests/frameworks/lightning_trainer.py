@@ -52,6 +52,9 @@ def main():
     trainer.fit(Regressor(), data)
     if trainer.global_rank == 0:
         print(f"final loss: {trainer.callback_metrics['train_loss'].item():.9g}", flush=True)
+    # Without it, gloo's threads may abort the interpreter's exit ("terminate
+    # called without an active exception", SIGABRT) under plain torchrun too.
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
