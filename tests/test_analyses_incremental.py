@@ -24,7 +24,7 @@ from rankwatch.collector.service import Collector
 from rankwatch.collector.state import RunState, step_window
 from rankwatch.config import Config
 
-T0 = float(int(time.time()) + 100)  # after the RunStates are made (their clocks start at real time)
+T0 = float(int(time.time()) + 100_000)  # later than any RunState is made here (their clocks start at real time)
 
 
 def record(step: int, rank: int, *, compute: float = 0.05, grad: float | None = 1.0, rss: int = 1 << 30,
