@@ -680,3 +680,97 @@ def test_hostile_heartbeat_inside_a_node_report_changes_nothing(server, name):
     ok = json.dumps({"version": 1, "sent_at": time.time(), "node": None, "heartbeats": [good]}).encode()
     assert _request(server.url, "/v1/node-report", ok)[0] == 200
     _serves(server)
+
+
+# --------------------------------------------------------------------------
+# Fuzzing the bundle readers and the evidence parser (deterministic seeds)
+# --------------------------------------------------------------------------
+
+_GARBAGE = [None, "x", "", "..", "\x00", -1, -5, 0, 2**40, 2**62, -2**62, 10**15, 1e308, -1e308, 3.5, "NaN",
+            "Infinity", True, False, [], {}, [1, "a"], {"a": None}, [[[]]], [None], {"": {}}]
+
+
+def _fuzz_members(rank: int, now: float) -> dict:
+    frames = [{"file": "/x/train.py", "line": 10, "name": "main", "code": "loss.backward()"},
+              {"file": "/t/torch/distributed/distributed_c10d.py", "line": 99, "name": "all_reduce", "code": ""}]
+    return {
+        "stacks.json": [{"thread_id": 1, "name": "MainThread", "daemon": False, "main": True, "frames": frames}],
+        "exception.json": {"type": "RuntimeError", "message": "boom", "traceback": "tb", "frames": frames},
+        "metrics.json": {"progress": {"step": 3, "forwards": 4, "phase": "backward", "phase_since": now,
+                                      "last_progress_at": now, "started_at": now - 10,
+                                      "collective": {"op": "all_reduce", "numel": 10, "entered_at": now,
+                                                     "callsite": "a.py:1"}},
+                         "steps": [wire.to_dict(wire.StepRecord(step=i, started_at=now - 10 + i, ended_at=now - 9 + i,
+                                                                loss=0.5, grad_norm=1.0)) for i in range(3)],
+                         "marks": [{"step": 1, "seqs": {"0": 5}}],
+                         "events": [wire.to_dict(wire.Event("exception", now, 2, {"type": "E", "message": "m"}))]},
+        "collectives.json": {"python_calls": [{"started_ns": 1, "ended_ns": 2, "thread": "1", "callsite": "/x/a.py:3",
+                                               "op": "all_reduce"}], "pg_status": {"0": {"enqueued": 5, "completed": 4}}},
+        "flight_recorder.json": {"entries": [{"process_group": ["0", "default"], "profiling_name": "gloo:all_reduce",
+                                              "collective_seq_id": s, "input_sizes": [[10]], "input_dtypes": ["Float"],
+                                              "time_created_ns": int((now - 9 + s) * 1e9), "retired": s < 4,
+                                              "thread_id": "1", "is_p2p": False} for s in range(1, 6 + rank)],
+                                 "pg_status": {"0": {"last_enqueued_collective": str(5 + rank),
+                                                     "last_completed_collective": "4"}}},
+        "memory.json": {"rss_bytes": 10**9, "cuda": {"device": 0, "allocated_bytes": 5, "summary": "s"}},
+        "memory_snapshot.json": {"snapshot": {"segments": [{"total_size": 100, "blocks": [
+            {"size": 50, "state": "active_allocated", "frames": [{"filename": "a.py", "line": 1, "name": "f"}]}]}]}},
+        "profile_summary.json": {"operations": [{"name": "aten::mm", "self_ms": 1.5, "calls": 3}]},
+    }
+
+
+def _paths(obj, prefix=()):
+    yield prefix
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _paths(v, prefix + (k,))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _paths(v, prefix + (i,))
+
+
+def test_fuzzed_bundles_never_crash_the_readers_or_the_analyses():
+    """Random wrong values at random places of every member the collector
+    reads: the bundle is refused, or a member is dropped with a note, or it
+    is analysed; never a traceback from the readers, evidence, analyses or
+    the report."""
+    import copy
+    import random
+
+    from rankwatch.collector import analyses, report as report_mod
+    from rankwatch.collector.evidence import from_bundle
+    from rankwatch.collector.service import merge_bundle
+    from rankwatch.collector.state import Incident, RunState
+
+    now = time.time()
+    for seed in range(150):
+        rng = random.Random(seed)
+        run = RunState(run_id="fuzz", world_size=2, started_at=now - 20)
+        run.incidents.append(Incident(id="hang-1", kind="hang", opened_at=now, last_progress_at=now - 5, ready=True,
+                                      requested_ranks=[0, 1], details={"diagnosed_at": now}))
+        for rank in (0, 1):
+            members = _fuzz_members(rank, now)
+            name = rng.choice(sorted(members))
+            places = list(_paths(members[name]))
+            for _ in range(rng.randint(1, 3)):
+                place = rng.choice(places)
+                if not place:
+                    members[name] = copy.deepcopy(rng.choice(_GARBAGE))
+                    break
+                target = members[name]
+                try:
+                    for step in place[:-1]:
+                        target = target[step]
+                    target[place[-1]] = copy.deepcopy(rng.choice(_GARBAGE))
+                except (KeyError, IndexError, TypeError):
+                    pass
+            manifest = _manifest(run="fuzz", rank=rank, source=rng.choice(["agent", "supervisor"]))
+            try:
+                bundle = unpack(pack(manifest, members))
+            except BundleError:
+                continue
+            from_bundle(bundle)
+            merge_bundle(run, bundle)
+        report = report_mod.build(run, analyses.run_all(run, now + 1, final=True))
+        _strict_loads(wire.json_text(wire.to_dict(report)))
+        report_mod.text(report)
