@@ -178,3 +178,14 @@ def test_a_real_flight_recorder_dump_passes_its_schema():
     evidence = from_bundle(bundle)
     assert [(e.op, e.seq) for e in evidence.collectives] == [("all_reduce", 1), ("broadcast", 2)]
     assert evidence.pg_enqueued == {"0": 3}
+
+
+def test_faulthandler_text_is_parsed_with_bounded_numbers():
+    from rankwatch.faulttext import parse
+
+    text = ("rankwatch-main-thread: 0x7f00\nThread 0x7f00 (most recent call first):\n"
+            '  File "a.py", line 3 in f\n  File "b.py", line ' + "9" * 5000 + " in g\n"
+            "Current thread 0x" + "f" * 40 + " (most recent call first):\n")
+    threads = parse(text)
+    assert [t["thread_id"] for t in threads] == [0x7f00] and threads[0]["main"]
+    assert threads[0]["frames"] == [{"file": "a.py", "line": 3, "name": "f", "code": ""}]
