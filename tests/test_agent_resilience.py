@@ -6,6 +6,7 @@ Heavy: real 2-rank gloo DDP jobs (torchrun, and `rankwatch run`).
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -47,7 +48,8 @@ def _torchrun(script: Path, cwd: Path, bootstrap: bool, env: dict) -> subprocess
 
 
 def _results(proc: subprocess.CompletedProcess) -> list[str]:
-    return sorted(line for line in proc.stdout.splitlines() if line.startswith("RESULT"))
+    # Two ranks share the stdout pipe: their lines may run together.
+    return sorted(re.findall(r"RESULT rank \d+ loss -?[\d.]+", proc.stdout))
 
 
 @pytest.fixture
