@@ -452,7 +452,7 @@ class Agent:
             body["collectives_enqueued"] = enqueued
         if full or completed != beats.completed:
             body["collectives_completed"] = completed
-        if host_memory and (full or host_memory != beats.host_memory):
+        if host_memory and (full or _memory_moved(beats.host_memory, host_memory)):
             body["host_memory"] = host_memory
         return _Beat(body, steps, marks, events, fingerprints, enqueued, completed, host_memory, full)
 
@@ -536,6 +536,17 @@ class Agent:
 _step_row = operator.attrgetter(*wire.STEP_COLUMNS)
 
 
+def _memory_moved(old: Optional[dict[str, int]], new: dict[str, int]) -> bool:
+    """Host memory worth sending: a new key, or a move of 64 MiB or 2%."""
+    if not old:
+        return True
+    for key, value in new.items():
+        before = old.get(key)
+        if before is None or abs(value - before) > max(64 << 20, before // 50):
+            return True
+    return False
+
+
 class _Beat:
     __slots__ = ("body", "steps", "marks", "events", "fingerprints", "enqueued", "completed", "host_memory",
                  "full")
@@ -566,7 +577,7 @@ class _BeatState:
 
     def acked(self, beat: _Beat) -> None:
         self.enqueued, self.completed = beat.enqueued, beat.completed
-        if beat.host_memory:
+        if "host_memory" in beat.body:  # the base of the next comparison is what was sent
             self.host_memory = beat.host_memory
         for fp in beat.fingerprints:
             if isinstance(fp.get("names"), list):

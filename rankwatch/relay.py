@@ -116,6 +116,10 @@ class Relay:
             return 400, {"error": "Heartbeat.identity.rank: expected a rank"}
         if identity.get("run_id") != self.run_id:
             return 400, {"error": f"Heartbeat.identity.run_id: this relay serves run {self.run_id!r}"}
+        try:  # only valid beats are batched: one bad rank must never block its whole node's report
+            wire.step_records(wire.decode(wire.Heartbeat, data))
+        except wire.WireError as exc:
+            return 400, {"error": str(exc)}
         urgent = any(isinstance(e, dict) and e.get("kind") in URGENT_EVENTS for e in data.get("events") or [])
         with self._lock:
             self._pending[rank] = merge_beats(self._pending.get(rank), data)
