@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
 def make_run_id(args: argparse.Namespace) -> str:
     env_id = os.environ.get("RANKWATCH_RUN_ID")
     if env_id:
-        return env_id
+        return _safe(env_id)  # the collector accepts run ids of the wire pattern only (SECURITY.md)
     if args.rdzv_id and args.rdzv_id != "none":
         return _safe(args.rdzv_id)
     if not args.standalone and str(args.nnodes) not in ("1", "1:1"):
@@ -83,7 +83,8 @@ def make_run_id(args: argparse.Namespace) -> str:
 
 
 def _safe(text: str) -> str:
-    cleaned = "".join(c if c.isalnum() or c in "-_." else "-" for c in text)[:128]
+    # wire.ID_PATTERN: ASCII letters, digits, '-', '_', '.', no leading dot.
+    cleaned = "".join(c if (c.isascii() and c.isalnum()) or c in "-_." else "-" for c in text)[:128].lstrip(".")
     return cleaned or "run"
 
 
@@ -142,20 +143,24 @@ def _bootstrap_entrypoint():
 
 
 class _RemoteCollector:
-    def __init__(self, url: str, token: Optional[str]):
-        self.url = url.rstrip("/")
-        self.token = token
+    """The launcher's client of a standalone collector: kept-alive
+    connections, the bearer token, never a redirect (the agent's transport)."""
 
-    def post(self, path: str, body: bytes, content_type: str, timeout: float = 5.0) -> Any:
-        request = urllib.request.Request(self.url + path, data=body, method="POST")
-        request.add_header("Content-Type", content_type)
-        if self.token:
-            request.add_header("Authorization", f"Bearer {self.token}")
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return json.loads(response.read() or b"{}")
+    def __init__(self, url: str, token: Optional[str]):
+        from rankwatch.agent.transport import Transport
+
+        self.url = url.rstrip("/")
+        self._transport = Transport(self.url, token=token, timeout=5.0)
+
+    def post(self, path: str, body: bytes, content_type: str, timeout: float = 5.0,
+             headers: Optional[dict[str, str]] = None) -> Any:
+        return self._transport.post(path, body, content_type=content_type, headers=headers, timeout=timeout)
 
 
 def run(argv: list[str]) -> int:
+    from .redact import install_log_redaction
+
+    install_log_redaction()  # the embedded collector's log lines (this process only, not the workers)
     parser = build_parser()
     args = parser.parse_args(argv)
     flags = {name: getattr(args, name) for name in OUR_OPTIONS}
@@ -175,26 +180,49 @@ def run(argv: list[str]) -> int:
 
     embedded = None
     server = None
+    relay = None
+    agent_token = cfg.token
     if cfg.collector:
         collector_url = cfg.collector
-    else:
-        from rankwatch.collector.embedded import start_embedded
+        remote = _RemoteCollector(collector_url, cfg.token)
+        agents_url = collector_url
+        if cfg.relay:
+            # The node's agents beat to this launcher's relay, which sends one
+            # report per node per interval. They get a token of their own: the
+            # collector's token never enters the workers' environment.
+            from .relay import Relay
 
-        embedded, server = start_embedded(cfg, run_dir)
-        collector_url = server.url
-    remote = _RemoteCollector(collector_url, cfg.token)
+            agent_token = secrets.token_urlsafe(32)
+            relay = Relay(remote.post, run_id, token=agent_token, interval=cfg.heartbeat_interval).start()
+            agents_url = relay.url
+    else:
+        from rankwatch.collector.embedded import InProcessClient, start_embedded
+
+        # The embedded collector authenticates its clients: a random token per
+        # run that only this launcher and its workers (through their
+        # environment) know, unless the user set one (a scraper must know it).
+        metrics_open = cfg.metrics_open or not cfg.token
+        if not cfg.token:
+            cfg.token = agent_token = secrets.token_urlsafe(32)
+        embedded, server = start_embedded(cfg, run_dir, metrics_open=metrics_open)
+        collector_url = agents_url = server.url
+        remote = InProcessClient(server.routes, collector_url)
 
     env = worker_environment(run_dir)
     env.update(config_mod.to_env(cfg))
+    env.pop("RANKWATCH_TOKEN", None)
+    if agent_token:
+        env["RANKWATCH_TOKEN"] = agent_token
     # RANKWATCH_<KEY> for every key; RANKWATCH_COLLECTOR_URL is the old name, kept for older agents.
     env.update({"RANKWATCH_RUN_ID": run_id, "RANKWATCH_RUN_DIR": str(run_dir),
-                "RANKWATCH_COLLECTOR": collector_url, "RANKWATCH_COLLECTOR_URL": collector_url})
+                "RANKWATCH_COLLECTOR": agents_url, "RANKWATCH_COLLECTOR_URL": agents_url})
     os.environ.update(env)
 
     from .supervisor import NodeSupervisor
 
     node_rank = int(os.environ.get("GROUP_RANK", getattr(args, "node_rank", 0) or 0))
-    supervisor = NodeSupervisor(run_id=run_id, run_dir=run_dir, post=remote.post, node_rank=node_rank,
+    supervisor = NodeSupervisor(run_id=run_id, run_dir=run_dir, post=relay.supervisor_post if relay else remote.post,
+                                node_rank=node_rank,
                                 world_size=0, on_hang=cfg.on_hang, hang_timeout=cfg.hang_timeout,
                                 host=os.environ.get("RANKWATCH_HOST") or socket.gethostname(),
                                 expected_workers=_local_world_size(args))
@@ -228,19 +256,22 @@ def run(argv: list[str]) -> int:
         exit_code = 1
         _say(f"launch failed: {type(exc).__name__}: {exc}")
     finally:
-        _finish(run_id, run_dir, supervisor, embedded, server, remote, interrupted, exits)
+        _finish(run_id, run_dir, supervisor, embedded, server, remote, interrupted, exits, relay=relay)
     if supervisor.aborted and exit_code == 0:
         exit_code = 1
     return exit_code
 
 
-def _finish(run_id, run_dir, supervisor, embedded, server, remote, interrupted, exits) -> Optional[wire.Report]:
+def _finish(run_id, run_dir, supervisor, embedded, server, remote, interrupted, exits,
+            relay=None) -> Optional[wire.Report]:
     """Always write report.json: collect late bundles, analyse a last time."""
     from rankwatch.collector import report as report_mod
 
     report = None
     try:
         supervisor.stop()
+        if relay is not None:
+            relay.stop()  # the node's last report (the supervisor's final view) goes first
         _upload_spool(run_dir, remote)
         _wait_for_crash_bundles(embedded, run_id)
         request = wire.FinishRequest(interrupted=interrupted,
@@ -271,7 +302,7 @@ def _finish(run_id, run_dir, supervisor, embedded, server, remote, interrupted, 
     return report
 
 
-def _upload_spool(run_dir: Path, remote: _RemoteCollector) -> None:
+def _upload_spool(run_dir: Path, remote: Any) -> None:
     """Bundles that could not be sent during the run (collector down) go now."""
     spool = run_dir / "spool"
     if not spool.is_dir():
@@ -310,4 +341,6 @@ def _local_world_size(args: argparse.Namespace) -> int:
 
 
 def _say(message: str) -> None:
-    print(f"[rankwatch] {message}", file=sys.stderr, flush=True)
+    from .redact import redact_text  # exception texts may carry secrets (SECURITY.md, redaction rule)
+
+    print(f"[rankwatch] {redact_text(message)}", file=sys.stderr, flush=True)
