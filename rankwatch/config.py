@@ -66,8 +66,10 @@ class Config:
     on_straggler: str = "dump"
     on_memory_growth: str = "dump"
     # On a nonfinite verdict, turn on autograd anomaly detection on the origin
-    # rank(s) only, so the next occurrence names the operation.
-    anomaly_mode_on_nonfinite: bool = True
+    # rank(s) only, so the next occurrence names the operation. Off by default:
+    # anomaly mode makes backward raise on the next NaN, which changes the
+    # job's exit code; the default captures evidence (bundles) instead.
+    anomaly_mode_on_nonfinite: bool = False
     # Bound of the per-step metrics kept in memory and in bundles.
     metrics_window: int = 512
     # Bearer token the collector requires from agents (standalone service).
@@ -78,6 +80,11 @@ class Config:
     grafana_url: Optional[str] = None
     grafana_token: Optional[str] = None
     metrics_port: Optional[int] = None
+    # Serve /metrics without the token (a scraper that cannot send it).
+    metrics_open: bool = False
+    # With a standalone collector, the launcher relays its node's heartbeats
+    # (one batched report per node per interval) instead of every rank posting.
+    relay: bool = True
 
     @classmethod
     def keys(cls) -> list[str]:
