@@ -211,5 +211,8 @@ def fill_source(frames: list[dict[str, Any]], donors: list[RankEvidence]) -> lis
             for frame in thread:
                 if isinstance(frame, dict) and frame.get("code"):
                     known.setdefault((str(frame.get("file")), frame.get("line")), str(frame["code"]))
+                    # py-spy's native dump names files by their short name
+                    known.setdefault((os.path.basename(str(frame.get("file"))), frame.get("line")),
+                                     str(frame["code"]))
     return [f if f.get("code") else {**f, "code": known.get((str(f.get("file")), f.get("line")), "")}
             for f in frames]

@@ -205,11 +205,18 @@ mutex = ctypes.create_string_buffer(64)  # a zeroed pthread mutex (glibc's stati
 
 
 def native_update(tensor):
-    # A C routine that deadlocks on its own (non-recursive) lock: no signal
-    # ends the wait, and every other Python thread of the process stops too.
     libc.pthread_mutex_lock(mutex)
     if rank == 1 and step == 6:
-        libc.pthread_mutex_lock(mutex)
+        if {how!r} == "deadlock":
+            # A C routine that deadlocks on its own (non-recursive) lock: no
+            # signal ends the wait, and every other Python thread stops too.
+            libc.pthread_mutex_lock(mutex)
+        else:
+            # A long C call holding the GIL. The supervisor's faulthandler
+            # signal ends it early: the rank then goes on ahead of the peers'
+            # snapshots, and its own Flight Recorder shows a higher sequence
+            # number than the peers that waited for it.
+            libc.sleep(600)
     libc.pthread_mutex_unlock(mutex)
 
 
@@ -224,17 +231,23 @@ for step in range(200):
 """
 
 
-def test_rank_frozen_holding_the_gil_is_the_hung_rank(tmp_path):
-    script = ddp_script(tmp_path, "frozen.py", _FROZEN)
+@pytest.mark.parametrize("how", ["deadlock", "sleep"])
+def test_rank_frozen_holding_the_gil_is_the_hung_rank(tmp_path, how):
+    script = ddp_script(tmp_path, "frozen.py", _FROZEN.format(how=how))
     job = run_job(tmp_path, ["--nproc-per-node", "3", "--hang-timeout", "8", str(script)])
     assert job.exit_code != 0, "rankwatch ends a hung job"
     v = _one(job, "hang")
     assert v["ranks"] == [1], v
     assert v["step"] == 6, v
-    assert "frozen" in v["summary"] and "GIL" in v["summary"], v["summary"]
-    assert "frozen.py" in v["summary"] and "pthread_mutex_lock" in v["summary"], v["summary"]
+    assert "frozen in its own code" in v["summary"] and "heartbeat thread stopped" in v["summary"], v["summary"]
+    if how == "deadlock":  # py-spy's own view (still frozen when the verdict is made) says who holds the GIL
+        assert "holding the GIL" in v["summary"], v["summary"]
+    assert "frozen.py" in v["summary"], v["summary"]
+    assert ("pthread_mutex_lock" if how == "deadlock" else "sleep") in v["summary"], v["summary"]
     assert _time_to_verdict(v) <= 8 + 5
-    print(f"\nhang on {v['ranks']} step {v['step']}: time to verdict {_time_to_verdict(v)} s\n  {v['summary']}")
+    seqs = {r: (info["collective_seq"] or {}).get("0") for r, info in v["evidence"]["ranks"].items()}
+    print(f"\n[{how}] sequence numbers seen: {seqs}")
+    print(f"\n[{how}] hang on {v['ranks']} step {v['step']}: time to verdict {_time_to_verdict(v)} s\n  {v['summary']}")
 
 
 # -- the pure rules (no processes) ------------------------------------------------------------
