@@ -181,6 +181,10 @@ def collector(argv: list[str]) -> int:
                           file=args.config)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from rankwatch.collector.metrics import CollectorMetrics
+    from rankwatch.redact import install_log_redaction, register_secret
+
+    register_secret(cfg.token)  # the token is redacted wherever it would appear (given by flag, not env)
+    install_log_redaction()
 
     service = Collector(config=cfg, data_dir=Path(args.data_dir))
     metrics = CollectorMetrics(service)

@@ -630,7 +630,8 @@ def _http(url: str, token: Optional[str], body: Optional[bytes], timeout: float,
 
 
 def _safe(text: str) -> str:
-    cleaned = "".join(c if c.isalnum() or c in "-_." else "-" for c in str(text))
+    # wire.ID_PATTERN (the collector refuses other run ids): ASCII, no leading dot.
+    cleaned = "".join(c if (c.isascii() and c.isalnum()) or c in "-_." else "-" for c in str(text)).lstrip(".")
     return cleaned or "ray-train"
 
 
