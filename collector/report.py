@@ -35,7 +35,7 @@ def notes(run: RunState) -> list[str]:
 def write(report: wire.Report, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(wire.to_dict(report), indent=2, default=str) + "\n")
+    tmp.write_text(wire.json_text(wire.to_dict(report), indent=2) + "\n")  # strict JSON: NaN as "NaN"
     os.replace(tmp, path)
 
 
