@@ -49,8 +49,11 @@ def _bundle_files(root: Path) -> list[Path]:
     return found
 
 
-def load(path: Path) -> tuple[RunState, list[str]]:
-    """Rebuild a RunState from PATH; returns it with the problems met on the way."""
+def load(path: Path, run_id: Optional[str] = None) -> tuple[RunState, list[str]]:
+    """Rebuild a RunState from PATH; returns it with the problems met on the way.
+
+    A standalone collector's data dir holds many runs: ``run_id`` picks one
+    (default: the newest in its index)."""
     path = Path(path)
     if not path.exists():
         raise AnalyzeError(f"{path} does not exist")
@@ -58,7 +61,9 @@ def load(path: Path) -> tuple[RunState, list[str]]:
     run: Optional[RunState] = None
     index = path / "collector.sqlite" if path.is_dir() else None
     if index is not None and index.is_file():
-        run = _load_index(index, problems)
+        run = _load_index(index, problems, run_id)
+    elif run_id is not None and (path / "runs" / run_id).is_dir():
+        path = path / "runs" / run_id
     bundles = []
     for file in _bundle_files(path):
         try:
@@ -95,14 +100,23 @@ def load(path: Path) -> tuple[RunState, list[str]]:
     return run, problems
 
 
-def _load_index(index: Path, problems: list[str]) -> Optional[RunState]:
-    """The last run of a collector index, read-only; None (with a problem
-    said) when the file is not a readable rankwatch index."""
+def _load_index(index: Path, problems: list[str], run_id: Optional[str] = None) -> Optional[RunState]:
+    """One run of a collector index (``run_id``, default the newest), read-only;
+    None (with a problem said) when the file is not a readable rankwatch index."""
     store = None
     try:
         store = Store(index, readonly=True)
         ids = store.run_ids()
+        if run_id is not None:
+            if run_id not in ids:
+                raise AnalyzeError(f"{index}: no run {run_id!r}; it holds {', '.join(ids[-20:]) or 'none'}")
+            return store.load_run(run_id)
+        if len(ids) > 1:
+            problems.append(f"{index} holds {len(ids)} runs; analysing the newest, {ids[-1]} "
+                            f"(--run RUN_ID picks another: {', '.join(ids[-6:-1])})")
         return store.load_run(ids[-1]) if ids else None
+    except AnalyzeError:
+        raise
     except (sqlite3.Error, ValueError, TypeError, KeyError, IndexError) as exc:
         problems.append(f"{index}: not a readable rankwatch index ({type(exc).__name__}: {exc}); "
                         f"analysing the bundles only")
@@ -124,8 +138,8 @@ def _hang_incident_from_bundles(run: RunState, incident: str, bundles) -> Incide
                     requested_ranks=sorted({b.manifest.rank for b in mine}), details={"diagnosed_at": created})
 
 
-def analyze_path(path: Path) -> wire.Report:
-    run, problems = load(Path(path))
+def analyze_path(path: Path, run_id: Optional[str] = None) -> wire.Report:
+    run, problems = load(Path(path), run_id)
     verdicts = analyses.run_all(run, time.time(), final=True)
     previous = _detected_at(Path(path))
     for v in verdicts:

@@ -106,6 +106,14 @@ class Collector:
         self._stop.set()
         if self._thread:
             self._thread.join(timeout=5)
+        # Shutting down (SIGTERM from Kubernetes): every run still in memory
+        # leaves its report as it stands; a finished run's is already there.
+        for run_id in list(self.runs):
+            try:
+                if not self.runs[run_id].finished:
+                    self._keep_report(run_id, self.report(run_id))
+            except Exception:
+                log.exception("run %s: report at shutdown failed", run_id)
         if self._gc_manual:
             self._gc_manual = False
             gc.enable()
@@ -602,7 +610,21 @@ class Collector:
                 self.store.save_rank(run_id, state)
             verdicts = self._analyse(run, time.time(), final=True)
             self.store.commit()
-            return report_mod.build(run, verdicts)
+            report = report_mod.build(run, verdicts)
+            self._keep_report(run_id, report)
+            return report
+
+    def _keep_report(self, run_id: str, report: wire.Report) -> None:
+        """The standalone collector keeps each run's report.json next to its
+        bundles (``<data-dir>/runs/<id>/``), so `kubectl cp` + `rankwatch
+        analyze` or a plain file read finds it. The embedded collector's
+        launcher writes its own into the run dir."""
+        if self._run_dir_for is not None or self.data_dir is None:
+            return
+        try:
+            report_mod.write(report, self.run_dir(run_id) / "report.json")
+        except (OSError, RequestError) as exc:
+            log.warning("run %s: report.json not written (%s); it is served from the index", run_id, exc)
 
     def report(self, run_id: str) -> wire.Report:
         with self._lock:

@@ -73,6 +73,8 @@ def analyze(argv: list[str]) -> int:
     parser.add_argument("--plot", metavar="FILE.png", help="draw the run's per-rank picture (matplotlib)")
     parser.add_argument("--tensorboard", metavar="DIR", help="write per-rank series and verdicts for TensorBoard")
     parser.add_argument("--config", default=None, help="YAML settings; on_<kind>: ignore silences a kind, as in the run")
+    parser.add_argument("--run", dest="run_id", default=None,
+                        help="which run of a collector's data dir (default: the newest)")
     args = parser.parse_args(argv)
     from rankwatch.collector import report as report_mod
     from rankwatch.collector.offline import AnalyzeError, analyze_path
@@ -83,7 +85,7 @@ def analyze(argv: list[str]) -> int:
                 raise AnalyzeError("--plot and --tensorboard need the run dir (kubectl cp it, then analyze it)")
             report = fetch_report(args.path, os.environ.get("RANKWATCH_TOKEN"))
         else:
-            report = analyze_path(Path(args.path))
+            report = analyze_path(Path(args.path), args.run_id)
     except AnalyzeError as exc:
         print(f"rankwatch analyze: {exc}", file=sys.stderr)
         return 2
@@ -100,7 +102,7 @@ def analyze(argv: list[str]) -> int:
 
         from . import plot as plot_mod
 
-        run, _ = load(Path(args.path))
+        run, _ = load(Path(args.path), args.run_id)
         if args.plot:
             print(f"plot: {plot_mod.plot(run, report, Path(args.plot))}", file=sys.stderr)
         if args.tensorboard:

@@ -88,3 +88,35 @@ def test_analyze_reads_a_run_from_a_collector_over_http(tmp_path):
     finally:
         server.stop()
         collector.stop()
+
+
+def test_standalone_collector_keeps_each_runs_report_and_analyze_picks_a_run(tmp_path):
+    """Reports out of the cluster: every run's report.json lands in the data
+    dir (on finish, and on shutdown for runs still going), and `rankwatch
+    analyze DATA_DIR --run ID` reads any run of the index."""
+    import json as _json
+    import time as _time
+
+    from rankwatch import wire
+    from rankwatch.collector import Collector
+    from rankwatch.config import Config
+
+    collector = Collector(config=Config(), data_dir=tmp_path)
+    for run_id in ("job-a", "job-b", "job-c"):
+        collector.ingest_heartbeat(wire.Heartbeat(
+            identity=wire.RankIdentity(run_id=run_id, rank=0, local_rank=0, world_size=1),
+            sent_at=_time.time(), step=2))
+    collector.finish("job-a")
+    collector.finish("job-b")
+    assert _json.loads((tmp_path / "runs" / "job-a" / "report.json").read_text())["run_id"] == "job-a"
+    collector.stop()  # job-c is still going: its report as it stands
+    assert _json.loads((tmp_path / "runs" / "job-c" / "report.json").read_text())["status"] == "healthy"
+
+    cli = [sys.executable, "-m", "rankwatch.cli", "analyze", str(tmp_path), "--json"]
+    picked = subprocess.run(cli + ["--run", "job-a"], capture_output=True, text=True)
+    assert picked.returncode == 0, picked.stderr
+    assert _json.loads(picked.stdout)["run_id"] == "job-a"
+    newest = subprocess.run(cli, capture_output=True, text=True)
+    assert newest.returncode == 0 and "--run RUN_ID" in newest.stderr
+    missing = subprocess.run(cli + ["--run", "job-z"], capture_output=True, text=True)
+    assert missing.returncode == 2 and "no run 'job-z'" in missing.stderr
