@@ -358,6 +358,13 @@ class NodeSupervisor:
         else:
             notes.append("py-spy not installed: no stacks from outside (pip install 'rankwatch[stacks]')")
         if stale:
+            # The frozen rank's own last words (its heartbeat thread is stopped
+            # too): read before faulthandler's signal, which may end a C call.
+            from . import blackbox
+
+            box = blackbox.read(blackbox.path_for(self.run_dir, worker.rank))
+            if box is not None:
+                members["metrics.json"] = {"progress": box, "steps": [], "marks": [], "events": []}
             text = faulthandler_dump(self.run_dir, worker)
             if text:
                 members["faulthandler.txt"] = text

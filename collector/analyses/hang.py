@@ -99,7 +99,7 @@ def diagnose(run: RunState, incident: Incident) -> Optional[wire.Verdict]:
     ev = evidence.get(first)
     stack = (outside_frames(ev) if frozen else ev.main_stack) if ev else []
     stack = fill_source(stack, run.all_evidence())
-    step = _step_at_stall(state, incident) if frozen else state.step
+    step = _step_at_stall(state, incident, ev) if frozen else state.step
     others = [r for r in ranks if r not in culprits]
     summary = f"{ranks_text(culprits).capitalize()} {reason}"
     if stack:
@@ -253,13 +253,19 @@ def _main_block(text: str) -> list[str]:
     return block
 
 
-def _step_at_stall(state, incident: Incident) -> int:
+def _step_at_stall(state, incident: Incident, ev=None) -> int:
     """The step a frozen rank was in when the stall was diagnosed: a C call
     that a signal ends (the supervisor's faulthandler dump) lets it go on, so
-    its latest step says where it went next, not where it froze."""
+    its latest step says where it went next, not where it froze. A rank still
+    frozen sends no bundle of its own; its black box, read from outside by the
+    supervisor, has the step its stopped heartbeat thread could not report."""
     offset = getattr(state, "clock_offset", None) or 0.0  # collector clock - agent clock
     done = [record.step for record in list(state.steps.values()) if record.ended_at + offset <= incident.opened_at]
-    return min(state.step, max(done) + 1) if done else state.step
+    step = min(state.step, max(done) + 1) if done else state.step
+    box = (ev.progress or {}).get("step") if ev is not None and ev.source == "supervisor" else None
+    if type(box) is int and box > step:
+        step = box
+    return step
 
 
 def _main_owns_gil(ev: RankEvidence) -> bool:
