@@ -118,8 +118,15 @@ def waits_in_collective(frames: list[dict[str, Any]]) -> bool:
     return False
 
 
+_WORKER_WAITS = ("_try_get_data", "_get_data")  # the multi-process DataLoader iterator's waits
+
+
 def in_dataloader(frames: list[dict[str, Any]]) -> bool:
-    return any("torch/utils/data/" in str(f.get("file", "")).replace(os.sep, "/") for f in frames[-15:])
+    """The main thread waits for a DataLoader *worker process*. A Dataset read
+    running in the main process (num_workers=0) also passes through
+    torch/utils/data, but it is the rank's own code at work, not a wait."""
+    return any(f.get("name") in _WORKER_WAITS and "torch/utils/data/" in str(f.get("file", "")).replace(os.sep, "/")
+               for f in frames[-15:])
 
 
 def _short(path: str) -> str:
