@@ -65,6 +65,7 @@ def main():
         print(f"final loss: {final.item():.9g}", flush=True)
     # Without it, gloo's threads may abort the interpreter's exit ("terminate
     # called without an active exception", SIGABRT) under plain torchrun too.
+    torch.distributed.barrier()  # every rank done before teardown: gloo's teardown races otherwise
     torch.distributed.destroy_process_group()
 
 
