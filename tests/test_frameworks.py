@@ -74,36 +74,35 @@ def _final_loss(output: str) -> float:
     return float(found[0])
 
 
-def _plain_torchrun(tmp_path: Path, framework: Framework, timeout: float = 120) -> tuple[int, str]:
+def _plain_torchrun(tmp_path: Path, framework: Framework, timeout: float = 90) -> tuple[int | None, str]:
     """The baseline: the same script under plain torchrun.
 
-    Seen here (torch 2.13, gloo, Fabric): now and then a plain-torchrun job
-    prints its final loss and then never exits (gloo teardown), with no
-    rankwatch anywhere. That is the baseline's own flake, not what the test
-    compares, so such a run is killed (its whole session) and run once more."""
+    Seen here (torch 2.13, gloo, Fabric, a loaded machine): now and then a
+    plain-torchrun job prints its final loss and then never exits (gloo
+    teardown), with no rankwatch anywhere. Its outcome (the final loss) is
+    known then, its exit code is not: returned as None, the job killed."""
     import os
     import signal
 
-    for attempt in range(2):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "--master-port", str(free_port()), *framework.argv(tmp_path)]
-        proc = subprocess.Popen(cmd, cwd=tmp_path, env=worker_env(_env(framework)), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        try:
-            output, _ = proc.communicate(timeout=timeout)
-            return proc.returncode, output
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            for pid_dir in Path("/proc").iterdir():  # torchrun's workers lead sessions of their own
-                try:
-                    if pid_dir.name.isdigit() and str(tmp_path) in (pid_dir / "cwd").resolve().as_posix():
-                        os.kill(int(pid_dir.name), signal.SIGKILL)
-                except OSError:
-                    pass
-            output, _ = proc.communicate()
-            if attempt or not FINAL_LOSS.search(output or ""):
-                raise AssertionError(f"plain torchrun did not finish in {timeout} s:\n{(output or '')[-3000:]}")
-    raise AssertionError("unreachable")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(free_port()), *framework.argv(tmp_path)]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=worker_env(_env(framework)), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, output
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        for pid_dir in Path("/proc").iterdir():  # torchrun's workers lead sessions of their own
+            try:
+                if pid_dir.name.isdigit() and str(tmp_path) in (pid_dir / "cwd").resolve().as_posix():
+                    os.kill(int(pid_dir.name), signal.SIGKILL)
+            except OSError:
+                pass
+        output, _ = proc.communicate()
+        if not FINAL_LOSS.search(output or ""):
+            raise AssertionError(f"plain torchrun did not finish in {timeout} s:\n{(output or '')[-3000:]}")
+        return None, output
 
 
 def _watched(tmp_path: Path, framework: Framework, extra: list[str] = (), fault: dict | None = None,
@@ -129,9 +128,9 @@ def _steps_seen(run_dir: Path) -> dict[int, int]:
 def test_healthy_run_matches_plain_torchrun(tmp_path, name):
     framework = FRAMEWORKS[name]
     plain_code, plain_output = _plain_torchrun(tmp_path, framework)
-    assert plain_code == 0, plain_output[-3000:]
+    assert plain_code in (0, None), plain_output[-3000:]  # None: plain torchrun's own teardown hang
     job = _watched(tmp_path, framework)
-    assert job.exit_code == plain_code, job.output[-4000:]
+    assert job.exit_code == 0, job.output[-4000:]
     assert job.report["status"] == "healthy", json.dumps(job.report, indent=1)[:3000]
     assert job.report["verdicts"] == []
     assert job.report["world_size"] == 2
