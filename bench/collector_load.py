@@ -8,9 +8,11 @@ real wire-format messages over HTTP by simulated nodes (8 ranks each):
 
 - relay mode (default): what `rankwatch run --collector URL` sends, one
   NodeReport per node per interval (the collector's NodeReply.interval: 1 s up
-  to 10,000 ranks, 5 s beyond), each carrying the node's view and its 8 ranks'
-  heartbeats with their new step records (compact rows), collective counters
-  and host memory;
+  to 2,000 ranks, 2 s to 10,000, 5 s to 50,000, 10 s beyond), each carrying the
+  node's view and its 8 ranks' heartbeats with their new step records (compact
+  rows; every NodeReply.step_stride-th step, as the relays forward them once
+  the job makes more than 20,000 records a second), collective counters and
+  host memory;
 - direct mode: one Heartbeat per rank per second (agents without a relay).
 
 Every rank takes one optimizer step per --step-time seconds, in lock-step (a
@@ -159,10 +161,13 @@ class Job:
         self.frozen_step = self.step_at(now)
         self.frozen_at = self.started + (self.frozen_step - self.first_step) * self.step_time
 
-    def rows(self, first: int, last: int) -> str:
-        """Step records first..last-1 (every rank alike: own time, loss, grad norm, RSS)."""
+    def rows(self, first: int, last: int, stride: int = 1) -> str:
+        """Step records first..last-1 (every rank alike: own time, loss, grad norm, RSS); with a
+        stride, every stride-th step, as a node relay forwards them when the collector asks."""
         out = []
         for s in range(first, last):
+            if s % stride:
+                continue
             start = self.started + (s - self.first_step) * self.step_time
             end = start + self.step_time
             loss = 2.0 + 1.0 / (1 + s % 1000)
@@ -170,14 +175,14 @@ class Job:
                        f"{loss:.5f},{1.5 + 0.001 * (s % 7):.5f},0,1,{1_500_000_000 + 4096 * (s % 3)},null,null,null]")
         return ",".join(out)
 
-    def tail(self, since: int, step: int, culprit: bool, history: int = 0) -> bytes:
+    def tail(self, since: int, step: int, culprit: bool, history: int = 0, stride: int = 1) -> bytes:
         """Everything of a heartbeat after its identity, for ranks at ``step``
         whose last report carried steps below ``since``."""
-        key = (since, step, culprit, history, self.frozen_step is not None)
+        key = (since, step, culprit, history, self.frozen_step is not None, stride, int(time.time()))
         cached = self._tails.get(key)
         if cached is not None:
             return cached
-        if len(self._tails) > 64:
+        if len(self._tails) > 256:
             self._tails.clear()
         now = time.time()
         frozen = self.frozen_step is not None
@@ -188,7 +193,7 @@ class Job:
         phase = ("forward" if culprit else "backward") if frozen else "forward"
         last_progress = self.frozen_at if frozen else now
         first = max(self.first_step, since if not history else step - history)
-        rows = self.rows(first, step)
+        rows = self.rows(first, step, stride)
         text = (f',"sent_at":{now:.3f},"seq":{step},"step":{step},"forwards":{step},"phase":"{phase}",'
                 f'"phase_since":{last_progress:.3f},"last_progress_at":{last_progress:.3f},'
                 f'"collectives_enqueued":{{"0":{enqueued}}},"collectives_completed":{{"0":{completed}}},'
@@ -254,6 +259,9 @@ class Simulator:
         self.history = history
         self.stats = Stats()
         self.interval = 1.0
+        self.stride = 1  # NodeReply.step_stride: the records a relay forwards at scale
+        self.nodes = (job.ranks + RANKS_PER_NODE - 1) // RANKS_PER_NODE
+        self.epoch = time.time()
         self.stop = False
         self.warm = 0  # nodes that sent their history
 
@@ -273,15 +281,17 @@ class Simulator:
                     conn = await asyncio.open_connection(self.host, self.port)
                 if self.mode == "relay":
                     beats = b",".join(b'{"version":1,"identity":' + job.identity[r]
-                                      + job.tail(since, step, r == job.culprit, history) for r in ranks)
+                                      + job.tail(since, step, r == job.culprit, history, self.stride) for r in ranks)
                     body = (b'{"version":1,"sent_at":%.3f,"node":' % began + view + b',"heartbeats":[' + beats
                             + b"]}")
                     status, reply = await _exchange(*conn, request_bytes("/v1/node-report", body), 30)
                     ok = status == 200
-                    if ok and b'"interval":' in reply:
-                        hint = json.loads(reply).get("interval")
+                    if ok and (b'"interval":' in reply or b'"step_stride":' in reply):
+                        answer = json.loads(reply)
+                        hint, stride = answer.get("interval"), answer.get("step_stride")
                         if isinstance(hint, (int, float)):
                             self.interval = max(1.0, float(hint))
+                        self.stride = stride if isinstance(stride, int) and stride >= 1 else 1
                     self.stats.record(time.time() - began, ok, len(ranks), f"HTTP {status}: {reply[:200]!r}")
                 else:
                     for r in ranks:
@@ -299,8 +309,11 @@ class Simulator:
                     conn[1].close()
                 conn = None
                 await asyncio.sleep(1.0)
-            # Next report one interval after this one began (no drift, no burst).
-            await asyncio.sleep(max(0.0, began + self.interval - time.time()))
+            # Next report in this node's slot: the nodes' reports spread evenly
+            # over the interval (independent relay timers), whatever the start-up spread.
+            slot = self.interval * node / self.nodes
+            wait = (slot - (time.time() - self.epoch)) % self.interval
+            await asyncio.sleep(wait if wait > 0.05 * self.interval else wait + self.interval)
         if conn is not None:
             conn[1].close()
 

@@ -73,13 +73,15 @@ _EMPTY_BYTES: dict[Any, bytes] = {}
 def _reply_dict(reply: Any) -> Any:
     """Most replies carry no command: encoded once, not per request."""
     if not reply.commands and not getattr(reply, "ranks", None):
-        interval = getattr(reply, "interval", None)
-        cached = _EMPTY_BYTES.get(interval)
+        interval, stride = getattr(reply, "interval", None), getattr(reply, "step_stride", None)
+        cached = _EMPTY_BYTES.get((interval, stride))
         if cached is None:
             out = dict(_EMPTY_REPLY)
             if interval is not None:
                 out["interval"] = interval
-            cached = _EMPTY_BYTES[interval] = json.dumps(out, separators=(",", ":")).encode()
+            if stride is not None:
+                out["step_stride"] = stride
+            cached = _EMPTY_BYTES[(interval, stride)] = json.dumps(out, separators=(",", ":")).encode()
         return cached
     return wire.to_dict(reply)
 

@@ -24,6 +24,7 @@ from rankwatch.config import Config
 
 from . import analyses, report as report_mod
 from .evidence import RankEvidence, from_bundle
+from .analyses import hang
 from .analyses.common import ranks_text, settle
 from .state import Incident, RunState
 from .store import Store
@@ -35,6 +36,7 @@ ANALYSIS_INTERVAL = 1.0
 RANKS_PER_ANALYSIS_SECOND = 20_000  # 100,000 ranks: analyses every 5 s (the hang watch still every tick)
 GC_MANUAL_RANKS = 5_000  # ranks watched from which the collector runs Python's garbage collection itself
 FULL_GC_INTERVAL = 300.0
+THAWED_GC_INTERVAL = 3600.0
 FINISHED_KEPT_S = 120.0  # a finished run stays in memory this long, then is served from the index
 ACTIONABLE = ("collective_mismatch", "nonfinite", "grad_spike", "weight_divergence", "straggler", "memory_growth")
 _SAFE_ID = wire.ID_PATTERN  # never "." or "..": ids become directory names
@@ -83,7 +85,7 @@ class Collector:
         self._reload()
         self.metrics = None  # set by metrics.CollectorMetrics when exported
         self._stop = threading.Event()
-        self._gc_manual, self._gc_full_at = False, 0.0
+        self._gc_manual, self._gc_full_at, self._gc_thawed_at = False, 0.0, 0.0
         self._thread: Optional[threading.Thread] = None
         self.bundles_received = 0
         self.bundles_rejected = 0
@@ -116,6 +118,7 @@ class Collector:
                 log.exception("run %s: report at shutdown failed", run_id)
         if self._gc_manual:
             self._gc_manual = False
+            gc.unfreeze()
             gc.enable()
         with self._lock:
             self.store.close()
@@ -136,20 +139,33 @@ class Collector:
         """Python's full garbage collection scans every live object: ~1.3 s with
         the 2.3 M objects of 100,000 ranks, and it runs every few steps once
         that many records churn through the windows. Past GC_MANUAL_RANKS the
-        collector collects itself: the young generations every tick (what
-        automatic collection does anyway), everything every FULL_GC_INTERVAL."""
+        collector collects itself: the young generations every tick (short
+        pauses: waiting longer makes one long pause of the same total, which
+        every request queued behind it feels), and every FULL_GC_INTERVAL the
+        old objects too, then freezes the survivors (gc.freeze): the next full
+        collections scan only what came since (a few seconds' pause became
+        milliseconds). Once every THAWED_GC_INTERVAL everything is thawed and
+        collected, so cycles among long-lived objects (a closed connection's)
+        are freed too."""
         big = sum(len(run.ranks) for run in list(self.runs.values())) >= GC_MANUAL_RANKS
         if big and not self._gc_manual:
             self._gc_manual, self._gc_full_at = True, now
             gc.disable()
+            self._gc_thawed_at = now
         elif not big and self._gc_manual:
             self._gc_manual = False
+            gc.unfreeze()
             gc.enable()
         if self._gc_manual:
-            gc.collect(1)
             if now - self._gc_full_at >= FULL_GC_INTERVAL:
                 self._gc_full_at = now
+                if now - self._gc_thawed_at >= THAWED_GC_INTERVAL:
+                    self._gc_thawed_at = now
+                    gc.unfreeze()
                 gc.collect()
+                gc.freeze()
+            else:
+                gc.collect(1)
 
     def run_dir(self, run_id: str) -> Path:
         rt = self._runtime(run_id)
@@ -302,6 +318,8 @@ class Collector:
             for worker in node.workers:
                 state = run.rank(worker.rank)
                 state.local_rank, state.node_rank = worker.local_rank, node.node_rank
+                if worker.alive:
+                    state.vouched_at = now
                 if not state.host:
                     state.host = node.host
                 if state.pid == 0:
@@ -349,7 +367,8 @@ class Collector:
             run = self.runs.get(run_id)
             timeout = (run.hang_timeout if run is not None and run.hang_timeout else None) or self.config.hang_timeout
         return wire.NodeReply(commands=commands, ranks=ranks,
-                              interval=node_report_interval(world, timeout or self.config.adaptive_floor))
+                              interval=node_report_interval(world, timeout or self.config.adaptive_floor),
+                              step_stride=record_stride(world, run.typical_step_s if run is not None else None))
 
     def ingest_bundle(self, data: bytes, run_hint: str = "", now: Optional[float] = None,
                       rank_hint: str = "") -> dict[str, Any]:
@@ -441,6 +460,13 @@ class Collector:
                 rt.dirty = rt.urgent = False
                 rt.analysed_at = now
         if not due:
+            if len(run.feed):
+                # What arrived is taken in every tick, in small pieces, even when
+                # the analyses' next pass is seconds away (big jobs).
+                try:
+                    settle(run)
+                except Exception:
+                    self._failed_once(run, rt, "analysis")
             return
         # The running summaries take in what arrived, outside the ingest lock
         # (the heavy part: O(records) + O(ranks) per sealed step)...
@@ -490,31 +516,43 @@ class Collector:
         live = self._live_ranks(run)
         if not live:
             return
+        stale_after = hang.STALE_HEARTBEATS * self.config.heartbeat_interval
         incident = Incident(id=f"hang-{len(run.incidents) + 1}", kind="hang", opened_at=now,
-                            last_progress_at=run.last_progress_seen_at, timeout=timeout, requested_ranks=live,
-                            deadline=now + cfg.evidence_window)
+                            last_progress_at=run.last_progress_seen_at, timeout=timeout,
+                            requested_ranks=hang.evidence_ranks(run, live, now, stale_after),
+                            deadline=now + self._evidence_window(run), details={"stale_after_s": stale_after})
         self._open_incident(run, incident, "hang")
 
+    def _evidence_window(self, run: RunState) -> float:
+        """How long an incident waits for its bundles: through relays at scale
+        the commands leave with the nodes' next reports, one interval later."""
+        relayed = node_report_interval(run.world_size, run.hang_timeout or self.config.hang_timeout
+                                       or self.config.adaptive_floor)
+        return self.config.evidence_window + (relayed or 0.0)
+
     def _open_incident(self, run: RunState, incident: Incident, reason: str) -> None:
+        """Ask the chosen ranks for a bundle and their nodes' supervisors for
+        outside stacks. O(ranks + nodes): at 100,000 ranks only the suspects
+        and a few references are asked (`hang.evidence_ranks`)."""
         run.incidents.append(incident)
         rt = self._runtime(run.run_id)
+        wanted = set(incident.requested_ranks)
         for rank in incident.requested_ranks:
             rt.agent_commands.setdefault(rank, []).append(
                 wire.Command(kind="dump", incident=incident.id, reason=reason))
         # Ranks whose heartbeat thread stopped (GIL held, stuck in C code) cannot
         # answer: the supervisor takes their native and faulthandler stacks.
-        stale_after = 3 * self.config.heartbeat_interval
-        stale = [r for r in incident.requested_ranks
-                 if incident.opened_at - run.ranks[r].last_heartbeat_at > stale_after]
+        stale_after = hang.STALE_HEARTBEATS * self.config.heartbeat_interval
+        stale = {r for r in wanted if r in run.ranks and run.ranks[r].silent_for(incident.opened_at) > stale_after}
         for key, node in run.nodes.items():
-            ranks = [w.rank for w in node.workers if w.rank in incident.requested_ranks]
+            ranks = [w.rank for w in node.workers if w.rank in wanted]
             if ranks:
                 rt.node_commands.setdefault(key, []).append(
                     wire.Command(kind="capture", incident=incident.id, reason=reason, ranks=ranks,
-                                 details={"stale": [r for r in stale if r in ranks]}))
+                                 details={"stale": [r for r in ranks if r in stale]}))
         self.store.save_incident(run.run_id, incident)
-        log.info("run %s: %s incident %s opened; evidence requested from ranks %s",
-                 run.run_id, reason, incident.id, incident.requested_ranks)
+        log.info("run %s: %s incident %s opened; evidence requested from %s",
+                 run.run_id, reason, incident.id, ranks_text(incident.requested_ranks))
 
     def _act_on(self, run: RunState, v: wire.Verdict, now: float) -> None:
         """The configured action for a new verdict: report, dump or abort."""
@@ -523,9 +561,11 @@ class Collector:
         rt = self._runtime(run.run_id)
         if action in ("dump", "abort") and v.kind not in rt.dumped_kinds:
             rt.dumped_kinds.add(v.kind)
+            live = self._live_ranks(run)
             incident = Incident(id=f"{v.kind}-{len(run.incidents) + 1}", kind=v.kind, opened_at=now,
-                                last_progress_at=run.last_progress_seen_at, requested_ranks=self._live_ranks(run),
-                                deadline=now + self.config.evidence_window, details={"abort": action == "abort"})
+                                last_progress_at=run.last_progress_seen_at,
+                                requested_ranks=hang.with_references(live, [r for r in v.ranks if r in set(live)]),
+                                deadline=now + self._evidence_window(run), details={"abort": action == "abort"})
             self._open_incident(run, incident, v.kind)
         if v.kind == "straggler":
             # A short profiler trace on the slow rank and on one healthy rank, to compare.
@@ -540,22 +580,40 @@ class Collector:
                     kind="action", reason="nonfinite", details={"action": "detect_anomaly"}))
 
     def _close_incidents(self, run: RunState, now: float) -> None:
+        """An incident is diagnosed once its evidence is in or its window
+        closed; a big job's hang as soon as the heartbeats' numbers name the
+        culprit (`hang.conclusive`: its ranks' bundles come at the relays'
+        cadence and add their stacks later). The job is aborted only once the
+        evidence is in or the window closed: the bundles are what is read
+        afterwards."""
+        stale_after = hang.STALE_HEARTBEATS * self.config.heartbeat_interval
         for incident in run.incidents:
-            if incident.ready:
+            if incident.ready and not incident.details.get("abort_pending"):
                 continue
             have = run.evidence_for(incident.id)
-            complete = all(r in have and have[r].source == "agent" or
-                           (r in have and run.ranks[r].last_heartbeat_at < incident.opened_at - 3 * self.config.heartbeat_interval)
+            complete = all(r in have and (have[r].source == "agent"
+                                          or run.ranks[r].silent_for(incident.opened_at) > stale_after)
                            for r in incident.requested_ranks)
-            if complete or now >= incident.deadline:
+            window_over = complete or now >= incident.deadline
+            if not incident.ready:
+                early = (not window_over and incident.kind == "hang"
+                         and len(incident.requested_ranks) < len(run.ranks)
+                         and hang.conclusive(run, incident, stale_after))
+                if not (window_over or early):
+                    continue
                 incident.ready = True
                 self._touch(run.run_id, urgent=True)
                 incident.details["diagnosed_at"] = now
                 incident.details["evidence_from"] = sorted(have)
-                self.store.save_incident(run.run_id, incident)
                 if (incident.kind == "hang" and run.on_hang == "abort") or incident.details.get("abort"):
-                    run.aborted = f"rankwatch aborted the job after diagnosing incident {incident.id}"
-                    self._runtime(run.run_id).abort_sent = True
+                    incident.details["abort_pending"] = True
+                self.store.save_incident(run.run_id, incident)
+            if incident.details.get("abort_pending") and window_over:
+                del incident.details["abort_pending"]
+                incident.details["evidence_from"] = sorted(have)
+                self.store.save_incident(run.run_id, incident)
+                run.aborted = f"rankwatch aborted the job after diagnosing incident {incident.id}"
+                self._runtime(run.run_id).abort_sent = True
 
     def _analyse(self, run: RunState, now: float, final: bool) -> list[wire.Verdict]:
         rt = self._runtime(run.run_id)
@@ -601,6 +659,7 @@ class Collector:
                     state.exit_code, state.exited_at = code, at
                     state.killed_by_rankwatch = rt.abort_sent
             for incident in run.incidents:
+                incident.details.pop("abort_pending", None)  # the job is over
                 if not incident.ready:
                     incident.ready = True
                     incident.details.setdefault("diagnosed_at", time.time())
@@ -636,26 +695,27 @@ class Collector:
             return report_mod.build(run, self._runtime(run_id).verdicts)
 
     def status(self) -> dict[str, Any]:
-        with self._lock:
-            return {
-                "runs": {
-                    rid: {
-                        "world_size": run.world_size,
-                        "ranks_seen": len(run.ranks),
-                        "finished": run.finished,
-                        "aborted": run.aborted,
-                        "incidents": [i.id for i in run.incidents],
-                        "verdicts": [wire.to_dict(v) for v in self._runtime(rid).verdicts],
-                    }
-                    for rid, run in self.runs.items()
-                },
-                "bundles_received": self.bundles_received,
-                "bundles_rejected": self.bundles_rejected,
-                "heartbeats_rejected": getattr(self, "heartbeats_rejected", 0),
-                "tick_seconds": getattr(self, "tick_seconds", None),
-                "tick_seconds_max": getattr(self, "tick_seconds_max", None),
-                "index_degraded": self.store.degraded,
-            }
+        with self._lock:  # references under the lock; the verdicts (immutable once made) converted outside it
+            runs = {rid: (run, list(self._runtime(rid).verdicts)) for rid, run in self.runs.items()}
+        return {
+            "runs": {
+                rid: {
+                    "world_size": run.world_size,
+                    "ranks_seen": len(run.ranks),
+                    "finished": run.finished,
+                    "aborted": run.aborted,
+                    "incidents": [i.id for i in list(run.incidents)],
+                    "verdicts": [wire.to_dict(v) for v in verdicts],
+                }
+                for rid, (run, verdicts) in runs.items()
+            },
+            "bundles_received": self.bundles_received,
+            "bundles_rejected": self.bundles_rejected,
+            "heartbeats_rejected": getattr(self, "heartbeats_rejected", 0),
+            "tick_seconds": getattr(self, "tick_seconds", None),
+            "tick_seconds_max": getattr(self, "tick_seconds_max", None),
+            "index_degraded": self.store.degraded,
+        }
 
 
 def _redact_events(hb: wire.Heartbeat) -> None:
@@ -692,6 +752,26 @@ def node_report_interval(world_size: int, hang_timeout: float = 20.0) -> Optiona
         return None
     wanted = 2.0 if world_size <= 10_000 else 5.0 if world_size <= 50_000 else 10.0
     return max(1.0, min(wanted, hang_timeout / 2))
+
+
+STEP_RECORDS_PER_SECOND = 20_000  # what one collector takes in comfortably, with everything else
+MAX_STRIDE = 64
+
+
+def record_stride(world_size: int, typical_step_s: Optional[float]) -> Optional[int]:
+    """Every how many steps the relays forward each rank's step record (see
+    `NodeReply.step_stride`): a power of two keeping the job's records near
+    STEP_RECORDS_PER_SECOND (100,000 ranks at a step a second: every 8th step).
+    The cross-rank analyses read the same sampled steps on every rank; the
+    relays still forward every unusual record, and the hang watch reads the
+    heartbeats, not the records."""
+    if not typical_step_s or world_size <= STEP_RECORDS_PER_SECOND * 0.05:
+        return None
+    rate = world_size / max(typical_step_s, 0.01)
+    stride = 1
+    while rate / stride > STEP_RECORDS_PER_SECOND and stride < MAX_STRIDE:
+        stride *= 2
+    return stride if stride > 1 else None
 
 
 def _expand_step_rows(hb: wire.Heartbeat) -> None:

@@ -68,6 +68,21 @@ class Feed:
         return len(self._items)
 
 
+NOTABLE_EVENTS = ("exception", "oom", "exit")  # what crash, oom and a rank leaving the loop read
+
+
+class EvidenceMap(dict):
+    """incident -> a rank's evidence; notes the rank on the run's `notable` set."""
+
+    notable: Optional[set] = None
+    rank = -1
+
+    def __setitem__(self, incident, evidence) -> None:
+        super().__setitem__(incident, evidence)
+        if self.notable is not None:
+            self.notable.add(self.rank)
+
+
 class EventLog:
     """A rank's events: the recent ones and the first of each kind (crash,
     oom and the report's notes read those, however long the run)."""
@@ -77,9 +92,12 @@ class EventLog:
         self.first: dict[str, wire.Event] = {}
         self.rank = -1
         self.feed: Optional[Feed] = None
+        self.notable: Optional[set] = None
 
     def append(self, event: wire.Event) -> None:
         self.first.setdefault(event.kind, event)
+        if self.notable is not None and event.kind in NOTABLE_EVENTS:
+            self.notable.add(self.rank)
         self._items.append(event)
         if len(self._items) > 2 * EVENT_WINDOW:
             firsts = {id(e) for e in self.first.values()}
@@ -151,13 +169,31 @@ class FingerprintLog:
         self._items = collections.deque(items, maxlen=FINGERPRINT_WINDOW)
 
 
+MARK_STEPS_KEPT = 1024  # steps with a mark on some rank, run-wide (collective_mismatch reads only new ones)
+
+
+class MarkSteps(collections.OrderedDict):
+    """The steps any rank has a collective mark for, newest last (bounded):
+    collective_mismatch compares the ranks' marks of the steps it has not
+    settled yet, not every kept mark of every rank on every pass."""
+
+    def add(self, step: int) -> None:
+        if step not in self:
+            self[step] = None
+            while len(self) > MARK_STEPS_KEPT:
+                self.popitem(last=False)
+
+
 class MarkLog(collections.OrderedDict):
     """step -> {pg: last enqueued seq}: the most recent marks (`mark_window`)."""
 
     limit = MARK_WINDOW
+    run_steps: Optional[MarkSteps] = None
 
     def __setitem__(self, step, seqs) -> None:
         super().__setitem__(step, seqs)
+        if self.run_steps is not None:
+            self.run_steps.add(step)
         while len(self) > self.limit:
             self.popitem(last=False)
 
@@ -181,7 +217,14 @@ class RankState:
     phase: str = "startup"
     phase_since: float = 0.0
     last_progress_at: float = 0.0  # agent clock
-    last_heartbeat_at: float = 0.0  # collector clock
+    last_heartbeat_at: float = 0.0  # collector clock: when its latest heartbeat arrived
+    # When the rank's heartbeat thread last beat (its own sent_at, put on the
+    # collector's clock), and when its node last vouched for it (the relay's
+    # report or the supervisor's view listing it alive; 0: never). Through a
+    # relay a live rank's beats arrive up to one relay interval late: it is
+    # silent only if its node reported without a fresh beat of it.
+    beat_at: float = 0.0
+    vouched_at: float = 0.0
     # collector clock - agent clock, lowest seen (network delay included, queueing not)
     clock_offset: Optional[float] = None
     last_seq: int = 0  # newest heartbeat taken in (older ones arrive late, out of order)
@@ -192,17 +235,32 @@ class RankState:
     events: EventLog = field(default_factory=EventLog)
     fingerprints: FingerprintLog = field(default_factory=FingerprintLog)
     host_memory: dict[str, int] = field(default_factory=dict)  # last heartbeat's
-    exit_code: Optional[int] = None  # negative: signal
+    exit_code: Optional[int] = None  # negative: signal (a property below: setting one notes the rank)
     exited_at: Optional[float] = None
     killed_by_rankwatch: bool = False
-    evidence: dict[str, RankEvidence] = field(default_factory=dict)  # incident -> evidence
+    evidence: EvidenceMap = field(default_factory=EvidenceMap)  # incident -> evidence
     last_record: Optional[wire.StepRecord] = None  # newest step record (metrics)
     nonfinite_steps: int = 0  # steps with NaN/Inf loss or local gradients, ever
     window: int = MAX_STEP_WINDOW
     feed: Optional[Feed] = field(default=None, repr=False, compare=False)
+    # The run's set of ranks with an exception, an exit, an OOM or evidence:
+    # what crash, oom and hang read instead of every rank (100,000 at scale).
+    notable: Optional[set] = field(default=None, repr=False, compare=False)
 
-    def attach(self, feed: Feed, names: dict[tuple, list], world_size: int) -> None:
+    def attach(self, feed: Feed, names: dict[tuple, list], world_size: int, notable: Optional[set] = None,
+               mark_steps: Optional[MarkSteps] = None) -> None:
         self.feed = feed
+        if mark_steps is not None:
+            self.marks.run_steps = mark_steps
+            for step in self.marks:
+                mark_steps.add(step)
+        if notable is not None:
+            self.notable = self.events.notable = notable
+            if not isinstance(self.evidence, EvidenceMap):
+                self.evidence = EvidenceMap(self.evidence)
+            self.evidence.notable, self.evidence.rank = notable, self.rank
+            if self.evidence or self.exit_code is not None or any(k in self.events.first for k in NOTABLE_EVENTS):
+                notable.add(self.rank)
         self.window = step_window(world_size)
         self.events.rank = self.fingerprints.rank = self.rank
         self.events.feed = self.fingerprints.feed = feed
@@ -232,11 +290,36 @@ class RankState:
     def add_fingerprint(self, fingerprint: dict[str, Any]) -> None:
         self.fingerprints.append(fingerprint)
 
+    def silent_for(self, at: float) -> float:
+        """How long the rank's heartbeat thread had been silent at time `at`
+        (collector clock), judged from what its node last reported."""
+        last = self.beat_at or self.last_heartbeat_at
+        if not last:
+            return 0.0
+        reference = min(at, self.vouched_at) if self.vouched_at else at
+        return max(0.0, reference - last)
+
     def exception_event(self) -> Optional[wire.Event]:
         return self.events.first.get("exception")
 
     def first_event(self, kind: str) -> Optional[wire.Event]:
         return self.events.first.get(kind)
+
+
+def _get_exit_code(self: RankState) -> Optional[int]:
+    return self._exit_code
+
+
+def _set_exit_code(self: RankState, code: Optional[int]) -> None:
+    self._exit_code = code
+    if code is not None:
+        notable = getattr(self, "notable", None)
+        if notable is not None:
+            notable.add(self.rank)
+
+
+# After the dataclass is built (its __init__ assigns through the property).
+RankState.exit_code = property(_get_exit_code, _set_exit_code)  # type: ignore[assignment]
 
 
 @dataclass
@@ -279,6 +362,8 @@ class RunState:
     feed: Feed = field(default_factory=Feed, repr=False, compare=False)
     names: dict[tuple, list] = field(default_factory=dict, repr=False, compare=False)  # shared name tables
     trackers: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)  # analyses' summaries
+    notable: set = field(default_factory=set, repr=False, compare=False)  # see RankState.notable
+    mark_steps: MarkSteps = field(default_factory=MarkSteps, repr=False, compare=False)
     # Held while the analyses' summaries are brought up to date (analyses/common.settle),
     # which runs outside the collector's ingest lock.
     analysis_lock: Any = field(default_factory=threading.RLock, repr=False, compare=False)
@@ -287,15 +372,19 @@ class RunState:
         state = self.ranks.get(rank)
         if state is None:
             state = RankState(rank=rank)
-            state.attach(self.feed, self.names, max(self.world_size, rank + 1))
+            state.attach(self.feed, self.names, max(self.world_size, rank + 1), self.notable, self.mark_steps)
             self.ranks[rank] = state
         return state
 
+    def notable_ranks(self) -> list[RankState]:
+        """Ranks with an exception, an exit (code or event), an OOM or evidence, in rank order."""
+        return [self.ranks[r] for r in sorted(self.notable) if r in self.ranks]
+
     def evidence_for(self, incident: str) -> dict[int, RankEvidence]:
-        return {r: s.evidence[incident] for r, s in list(self.ranks.items()) if incident in s.evidence}
+        return {s.rank: s.evidence[incident] for s in self.notable_ranks() if incident in s.evidence}
 
     def all_evidence(self) -> list[RankEvidence]:
-        return [ev for s in list(self.ranks.values()) for ev in list(s.evidence.values())]
+        return [ev for s in self.notable_ranks() for ev in list(s.evidence.values())]
 
     def observe_heartbeat(self, state: RankState, hb: wire.Heartbeat, now: float, progressed: bool) -> bool:
         """Run-level summaries the hang watch reads each tick, updated in O(1)
@@ -315,6 +404,7 @@ class RunState:
         offset = now - sent
         if state.clock_offset is None or offset < state.clock_offset:
             state.clock_offset = offset
+        state.beat_at = max(state.beat_at, min(now, sent + state.clock_offset))
         if state.last_heartbeat_at == 0.0:
             self.ranks_reported += 1
         if hb.phase == "checkpoint":

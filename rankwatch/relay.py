@@ -20,8 +20,10 @@ at once, not at the next interval.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
+import math
 import threading
 import time
 from typing import Any, Callable, Optional
@@ -34,6 +36,63 @@ MAX_ROWS_PER_RANK = 512  # step rows held per rank between reports (the newest k
 MAX_ITEMS_PER_RANK = 256  # marks, events held per rank
 MAX_FINGERPRINTS_PER_RANK = 4
 URGENT_EVENTS = ("exception", "exit", "nonfinite", "oom")
+NORM_HISTORY = 16  # a rank's recent gradient norms, to tell an unusual one at a sampled cadence
+NORM_JUMP = 3.0  # a norm this many times the rank's recent median is forwarded whatever its step
+
+
+class StepSampler:
+    """At scale the collector asks for every `stride`-th step record
+    (`NodeReply.step_stride`). The relay forwards those (the same steps on
+    every rank, so the cross-rank analyses compare like with like) and every
+    record that is unusual on its own rank: a non-finite loss or gradient, or
+    a gradient norm NORM_JUMP times its recent median. A few comparisons per
+    record; the node's other records stay out of the collector."""
+
+    def __init__(self) -> None:
+        self.stride = 1
+        self._norms: dict[int, collections.deque] = {}
+
+    def sample(self, rank: int, beat: dict[str, Any]) -> dict[str, Any]:
+        rows, columns = beat.get("step_rows"), beat.get("step_columns")
+        if not rows or not isinstance(columns, list):
+            return beat
+        try:
+            at = {name: columns.index(name) for name in ("step", "loss", "grad_norm", "nonfinite_grads")
+                  if name in columns}
+        except ValueError:
+            return beat
+        if "step" not in at:
+            return beat
+        norms = self._norms.get(rank)
+        if norms is None:
+            norms = self._norms[rank] = collections.deque(maxlen=NORM_HISTORY)
+        kept = []
+        for row in rows:
+            if self.stride <= 1 or self._wanted(row, at, norms):
+                kept.append(row)
+            norm = row[at["grad_norm"]] if "grad_norm" in at else None
+            if isinstance(norm, (int, float)) and math.isfinite(norm):
+                norms.append(float(norm))
+        if len(kept) == len(rows):
+            return beat
+        return {**beat, "step_rows": kept}
+
+    def _wanted(self, row: list, at: dict[str, int], norms: collections.deque) -> bool:
+        step = row[at["step"]]
+        if not isinstance(step, int) or step % self.stride == 0:
+            return True
+        if "nonfinite_grads" in at and row[at["nonfinite_grads"]]:
+            return True
+        for name in ("loss", "grad_norm"):
+            value = row[at[name]] if name in at else None
+            if value is not None and (not isinstance(value, (int, float)) or not math.isfinite(value)):
+                return True  # "NaN", "Infinity" travel as strings
+        norm = row[at["grad_norm"]] if "grad_norm" in at else None
+        if isinstance(norm, (int, float)) and len(norms) >= NORM_HISTORY // 2:
+            ordered = sorted(norms)
+            if norm > NORM_JUMP * ordered[len(ordered) // 2]:
+                return True
+        return False
 
 
 def merge_beats(old: Optional[dict[str, Any]], new: dict[str, Any]) -> dict[str, Any]:
@@ -85,6 +144,7 @@ class Relay:
         self._failures = 0
         self._warned = False
         self.reports_sent = 0
+        self.sampler = StepSampler()
         self.server = CollectorServer(None, host=host, port=port, token=token,  # type: ignore[arg-type]
                                       routes=_RelayRoutes(self, token), max_connections=1024)
 
@@ -122,6 +182,7 @@ class Relay:
             return 400, {"error": str(exc)}
         urgent = any(isinstance(e, dict) and e.get("kind") in URGENT_EVENTS for e in data.get("events") or [])
         with self._lock:
+            data = self.sampler.sample(rank, data)
             self._pending[rank] = merge_beats(self._pending.get(rank), data)
             commands = self._rank_commands.pop(rank, [])
         if urgent:
@@ -204,6 +265,8 @@ class Relay:
         interval = getattr(reply, "interval", None)
         if isinstance(interval, (int, float)) and 0.2 <= interval <= 60:
             self.interval = max(self._base_interval, float(interval))
+        stride = getattr(reply, "step_stride", None)
+        self.sampler.stride = stride if isinstance(stride, int) and stride >= 1 else 1
 
 
 class _RelayRoutes:

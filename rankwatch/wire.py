@@ -206,6 +206,10 @@ class NodeReply:
     version: int = WIRE_VERSION
     # Seconds between the node's reports the collector asks for (slower at scale).
     interval: Optional[float] = None
+    # Step records the relay forwards at scale: every `step_stride`-th step of
+    # each rank (the same steps on every rank) and every unusual one (a
+    # non-finite value, a jump of the gradient norm). None or 1: every step.
+    step_stride: Optional[int] = None
 
 
 # Column order the agent uses for `Heartbeat.step_rows` (any order is
@@ -665,6 +669,7 @@ _RULES: dict[str, Any] = {
     "BundleManifest.rankwatch_version": _short_text, "BundleManifest.python_version": _short_text,
     "BundleManifest.node_rank": _rank, "BundleManifest.attempt": _count,
     "Verdict.ranks": _each(_rank), "Report.world_size": _int_range(0, MAX_WORLD_SIZE),
+    "NodeReply.step_stride": _int_range(1, 1024),
 }
 
 # Float fields whose non-finite values are the signal (a NaN loss): kept.

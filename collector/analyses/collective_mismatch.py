@@ -40,7 +40,7 @@ def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
 def _latest_evidence(run: RunState) -> dict[int, RankEvidence]:
     """Per rank, the evidence with the most collectives (latest wins ties)."""
     best: dict[int, RankEvidence] = {}
-    for state in run.ranks.values():
+    for state in run.notable_ranks():
         for ev in state.evidence.values():
             if not ev.collectives:
                 continue
@@ -207,7 +207,8 @@ def _from_dying_call(run: RunState, now: float) -> Optional[wire.Verdict]:
         return None  # nobody died, or an independent exception explains it
     groups: dict[Optional[str], list[int]] = {}
     calls: dict[int, tuple[str, str, int]] = {}
-    for r, state in run.ranks.items():
+    for state in run.notable_ranks():  # the others have no evidence: nothing known
+        r = state.rank
         known, call = _in_flight(state)
         if not known:
             continue
@@ -250,13 +251,48 @@ def _from_dying_call(run: RunState, now: float) -> Optional[wire.Verdict]:
 # -- collective marks ------------------------------------------------------------
 
 
+LISTED_RANKS = 64  # ranks listed one by one in a marks verdict
+MARKS_SETTLE_STEPS = 64  # a mark step this far behind the newest gets no more marks: judged one last time
+
+
+class _MarksSeen:
+    """Mark steps already compared and settled (every live rank agreed, or too
+    old to change), in step order, and each rank's marks as of the last one."""
+
+    def __init__(self) -> None:
+        self.settled: set[int] = set()
+        self.previous: dict[int, dict[str, int]] = {}
+
+
 def _from_marks(run: RunState, now: float) -> Optional[wire.Verdict]:
-    steps = sorted({s for st in run.ranks.values() for s in st.marks})
-    previous: dict[int, dict[str, int]] = {}
+    seen = run.trackers.get("_marks_seen")
+    if seen is None:
+        seen = run.trackers["_marks_seen"] = _MarksSeen()
+    steps = sorted(s for s in list(run.mark_steps) if s not in seen.settled)
+    if not steps:
+        return None
+    newest = steps[-1]
+    expected = len(run.ranks) - sum(1 for s in run.notable_ranks() if s.exit_code is not None)
+    previous = dict(seen.previous)
+    in_order = True  # settle only a prefix: `previous` must follow step order
     for step in steps:
-        marks = {r: st.marks[step] for r, st in run.ranks.items() if step in st.marks}
-        if len(marks) < 2:
-            continue
+        marks = {r: st.marks[step] for r, st in list(run.ranks.items()) if step in st.marks}
+        found = _compare_marks(run, step, marks, previous, now)
+        if found is not None:
+            return found
+        previous.update(marks)
+        if in_order and (len(marks) >= expected or step < newest - MARKS_SETTLE_STEPS):
+            seen.settled.add(step)
+            seen.previous.update(marks)
+        else:
+            in_order = False
+    seen.settled.intersection_update(run.mark_steps)  # bounded with the run's mark steps
+    return None
+
+
+def _compare_marks(run: RunState, step: int, marks: dict[int, dict[str, int]],
+                   previous: dict[int, dict[str, int]], now: float) -> Optional[wire.Verdict]:
+    if len(marks) >= 2:
         pgs = sorted({pg for m in marks.values() for pg in m})
         for pg in pgs:
             counts = {r: m[pg] for r, m in marks.items() if pg in m}
@@ -268,18 +304,25 @@ def _from_marks(run: RunState, now: float) -> Optional[wire.Verdict]:
                 culprits = _changed_rate(counts, previous, pg)
             if not culprits:
                 continue
+            # Every rank's count on a small job; the culprits and a few others on a big one.
+            shown = sorted(counts) if len(counts) <= LISTED_RANKS else sorted(
+                set(culprits[:LISTED_RANKS]) | set(sorted(counts)[:8]))
+            counts_text = ", ".join(f"rank {r}: #{counts[r]}" for r in shown)
+            if len(shown) < len(counts):
+                counts_text += f", ... ({len(counts) - len(shown)} more)"
             summary = (
                 f"{ranks_text(culprits).capitalize()} had issued a different number of collectives "
                 f"by the end of step {step} in process group {pg} "
-                f"({', '.join(f'rank {r}: #{c}' for r, c in sorted(counts.items()))}): "
+                f"({counts_text}): "
                 f"an extra or missing collective; later collectives pair with the wrong partner."
             )
-            first = max((run.ranks[r].steps[step].ended_at for r in counts if step in run.ranks[r].steps),
+            first = max((run.ranks[r].steps[step].ended_at for r in shown if step in run.ranks[r].steps),
                         default=now)
-            ev = {"process_group": pg, "step_end_sequence": {str(r): c for r, c in sorted(counts.items())},
-                  "previous_agreement": {str(r): previous.get(r, {}).get(pg) for r in counts}}
+            ev = {"process_group": pg, "step_end_sequence": {str(r): counts[r] for r in shown},
+                  "previous_agreement": {str(r): previous.get(r, {}).get(pg) for r in shown}}
+            if len(shown) < len(counts):
+                ev["ranks_total"] = len(counts)
             return verdict("collective_mismatch", culprits, step, first, now, summary, ev)
-        previous.update(marks)
     return None
 
 

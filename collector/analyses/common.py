@@ -7,6 +7,7 @@ import datetime as _dt
 import os
 import re
 import statistics
+import time
 from typing import Any, Iterable, Optional
 
 from rankwatch import wire
@@ -189,6 +190,28 @@ def majority(values: dict[int, Any]) -> tuple[Any, list[int]]:
 # the whole run at once) see the same steps with the same records and reach
 # the same verdicts. Cross-rank work happens once per sealed step: O(ranks).
 
+# The live collector settles on its analysis thread while its HTTP thread
+# serves the ingest: a long pass (a sealed step of 100,000 ranks) hands the
+# interpreter over between pieces of work, so requests are not held behind it.
+YIELD_EVERY = 2_000  # feed items
+
+
+YIELD_RANKS = 2_000  # ranks of a sealed step between two hand-overs (~1-2 ms of work)
+
+
+def _yield() -> None:
+    time.sleep(0)  # releases the GIL: a waiting thread runs first
+
+
+def paced(items):
+    """`items` (a sealed step's ranks), handing the interpreter over every
+    YIELD_RANKS of them: a 100,000-rank step takes ~0.3 s of work."""
+    for i, item in enumerate(items):
+        if i % YIELD_RANKS == YIELD_RANKS - 1:
+            _yield()
+        yield item
+
+
 SEAL_LAG = 2  # steps: a GPU rank fills a step's loss and norm a step late
 PENDING_RECORDS = 1_000_000  # records held for sealing, at most (then the oldest step is sealed)
 MIN_PENDING_STEPS = 64
@@ -237,7 +260,11 @@ def _settle(run, final: bool) -> None:
     items = run.feed.drain()
     if not items and not final:
         return  # nothing new: O(1), however many ranks (each analysis calls settle)
-    for kind, rank, item in items:
+    on_record = [t.on_record for t in active if hasattr(t, "on_record")]
+    on_event = [t.on_event for t in active if hasattr(t, "on_event")]
+    for i, (kind, rank, item) in enumerate(items):
+        if i % YIELD_EVERY == YIELD_EVERY - 1:
+            _yield()
         if kind == "step":
             step = item.step
             if step <= sealer.sealed_upto:
@@ -247,15 +274,11 @@ def _settle(run, final: bool) -> None:
             if step > sealer.frontier.get(rank, -1):
                 sealer.frontier[rank] = step
             run.note_duration(item)
-            for t in active:
-                hook = getattr(t, "on_record", None)
-                if hook is not None:
-                    hook(run, rank, item)
+            for hook in on_record:
+                hook(run, rank, item)
         elif kind == "event":
-            for t in active:
-                hook = getattr(t, "on_event", None)
-                if hook is not None:
-                    hook(run, rank, item)
+            for hook in on_event:
+                hook(run, rank, item)
         elif kind == "fingerprint":
             step = item.get("step")
             if not isinstance(step, int) or step <= sealer.prints_sealed_upto:
@@ -265,7 +288,8 @@ def _settle(run, final: bool) -> None:
                 sealer.print_frontier[rank] = step
     if run.durations:
         run.typical_step_s = statistics.median(run.durations)
-    live = [r for r, s in list(run.ranks.items()) if s.exit_code is None]
+    exited = {s.rank for s in run.notable_ranks() if s.exit_code is not None}
+    live = [r for r in list(run.ranks) if r not in exited] if exited else list(run.ranks)
     _seal_steps(run, sealer, live, active, final)
     _seal_prints(run, sealer, live, active, final)
 
@@ -288,6 +312,7 @@ def _seal_steps(run, sealer: _Sealer, live: list[int], active: list, final: bool
         records = sealer.pending.pop(step)
         sealer.sealed_upto = step
         for hook in hooks:
+            _yield()
             hook(run, step, records)
 
 
@@ -317,7 +342,7 @@ def peer_medians(values: dict[int, float]) -> dict[int, float]:
     if m <= 0:
         return out
     half = m // 2
-    for rank, value in values.items():
+    for rank, value in paced(values.items()):
         i = bisect.bisect_left(ordered, value)  # drop one copy of this rank's value
         hi = ordered[half] if half < i else ordered[half + 1]
         if m % 2:

@@ -139,7 +139,7 @@ def _is_mismatch(text: str) -> bool:
 
 
 def failures(run: RunState) -> list[Failure]:
-    out = [f for f in (failure_of(s) for s in run.ranks.values()) if f is not None]
+    out = [f for f in (failure_of(s) for s in run.notable_ranks()) if f is not None]
     out.sort(key=lambda f: f.at)
     if not out:
         return out
@@ -209,7 +209,7 @@ def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
             for f in found
         ],
         "traceback": first.traceback,
-        "hosts": {str(f.rank): run.ranks[f.rank].host for f in culprits},
+        "hosts": {str(f.rank): run.ranks[f.rank].host for f in culprits[:64]},
         "unused_parameters": list(first.unused_parameters),
         # CONTRACT: what followed from the cause (the peers' failures).
         "consequences": [{"kind": "crash", "ranks": [f.rank], "step": f.step, "first_seen_at": iso(f.at),
@@ -223,4 +223,4 @@ def _left_cleanly_before(run: RunState, found: list[Failure]) -> bool:
     still in a collective with it."""
     first = min(f.at for f in found)
     return any(s.exit_code == 0 and s.exited_at is not None and not s.killed_by_rankwatch
-               and s.exited_at <= first + LEFT_SLACK_S for s in run.ranks.values())
+               and s.exited_at <= first + LEFT_SLACK_S for s in run.notable_ranks())

@@ -17,7 +17,7 @@ from typing import Optional
 from rankwatch import wire
 
 from ..state import RunState
-from .common import peer_medians, ranks_text, register_tracker, settle, tracker, verdict
+from .common import paced, peer_medians, ranks_text, register_tracker, settle, tracker, verdict
 
 RATIO = 10.0  # times the peers' median and the rank's own median
 MAD_SCALE = 1.4826
@@ -34,6 +34,12 @@ class Tracker:
     def __init__(self) -> None:
         self.history: dict[int, collections.deque[float]] = {}
         self.finding: Optional[dict] = None
+        # The last full step's size and median: the peers' figure for a step
+        # only a few ranks reported (relays at scale forward every k-th step
+        # and each rank's unusual records; over thousands of peers the median
+        # of one step and of the next are the same).
+        self.full_size = 0
+        self.full_median: Optional[float] = None
 
     def on_step(self, run: RunState, step: int, records: dict[int, wire.StepRecord]) -> None:
         if self.finding is not None:
@@ -42,8 +48,16 @@ class Tracker:
                    if rec.grad_norm is not None and math.isfinite(rec.grad_norm)}
         if not at_step:
             return
+        partial = 2 * len(at_step) < self.full_size
+        if partial:
+            if self.full_median is None:
+                return
+            peers = {r: self.full_median for r in at_step}
+        else:
+            peers = peer_medians(at_step)
+            self.full_size, self.full_median = len(at_step), statistics.median(at_step.values())
         spiked = {}
-        for rank, peer_median in peer_medians(at_step).items():
+        for rank, peer_median in paced(peers.items()):
             value = at_step[rank]
             if value <= RATIO * max(peer_median, 1e-12):
                 continue
@@ -55,12 +69,15 @@ class Tracker:
             if value > RATIO * max(own_median, 1e-12) and value > own_median + MAD_K * own_mad:
                 spiked[rank] = {"grad_norm": value, "peer_median": peer_median, "own_median": own_median,
                                 "ratio_to_peers": value / max(peer_median, 1e-12)}
-        minority = len(spiked) < len(at_step) / 2 or (len(at_step) == 2 and len(spiked) == 1)
+        size = self.full_size if partial else len(at_step)
+        minority = len(spiked) < size / 2 or (size == 2 and len(spiked) == 1)
         if spiked and minority:
             self.finding = {"step": step, "spiked": spiked,
                             "first_at": min(records[r].ended_at for r in spiked)}
             return
-        for rank, value in at_step.items():
+        if partial:
+            return  # a rank's own history holds the steps every rank reported
+        for rank, value in paced(at_step.items()):
             own = self.history.get(rank)
             if own is None:
                 own = self.history[rank] = collections.deque(maxlen=HISTORY)

@@ -26,6 +26,7 @@ reaches the hang timeout. The peers' failures are its consequences.
 from __future__ import annotations
 
 import re
+import time
 from typing import Any, Optional
 
 from rankwatch import wire
@@ -42,38 +43,93 @@ def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
         out.append(left)
     for incident in run.incidents:
         if incident.kind == "hang" and incident.ready:
-            found = diagnose(run, incident)
+            found = diagnose(run, incident, now, final)
             if found is not None:
                 out.append(found)
     return out
 
 
-def diagnose(run: RunState, incident: Incident) -> Optional[wire.Verdict]:
+# -- whom to ask for evidence ------------------------------------------------------------
+
+STALE_HEARTBEATS = 3  # a rank silent for this many heartbeat intervals is asked about from outside
+EVIDENCE_FROM_EVERY_RANK = 256  # live ranks up to which every one sends a bundle
+MAX_SUSPECTS = 256  # beyond: the ranks that stand out (most behind first) ...
+REFERENCE_RANKS = 8  # ... and a few that do not, whose stacks show where the others wait
+LISTED_RANKS = 64  # ranks listed one by one in the evidence beyond the culprits and those asked
+
+
+def evidence_ranks(run: RunState, live: list[int], at: float, stale_after: float) -> list[int]:
+    """The live ranks a hang incident asks for bundles and outside stacks.
+    Every one on a small job; on a big one (100,000 ranks would send 100,000
+    bundles to one collector) the suspects, from what the heartbeats already
+    say: ranks whose heartbeat thread went silent, whose last enqueued
+    collective is behind the others' in a process group, or whose step is
+    behind; then a few references. O(ranks)."""
+    if len(live) <= EVIDENCE_FROM_EVERY_RANK:
+        return list(live)
+    top: dict[str, int] = {}
+    max_step = 0
+    for r in live:
+        state = run.ranks[r]
+        max_step = max(max_step, state.step)
+        for pg, seq in list(state.enqueued.items()):
+            if seq > top.get(pg, -1):
+                top[pg] = seq
+    scored = []
+    for r in live:
+        state = run.ranks[r]
+        silent = state.silent_for(at) > stale_after
+        behind = max((top[pg] - seq for pg, seq in list(state.enqueued.items()) if pg in top), default=0)
+        late = max_step - state.step
+        if silent or behind > 0 or late > 0:
+            scored.append((not silent, -behind, -late, r))
+    suspects = [r for *_, r in sorted(scored)[:MAX_SUSPECTS]]
+    if len(suspects) >= len(live) // 2:
+        suspects = []  # most ranks "behind": heartbeats in flight, not suspects; references only
+    return with_references(live, suspects)
+
+
+def with_references(live: list[int], chosen: list[int]) -> list[int]:
+    """`chosen` plus REFERENCE_RANKS others (every live rank on a small job)."""
+    if len(live) <= EVIDENCE_FROM_EVERY_RANK:
+        return list(live)
+    picked = set(chosen)
+    references = [r for r in live if r not in picked][:REFERENCE_RANKS]
+    return sorted(picked.union(references))
+
+
+FRESH_SHARE = 0.9  # big jobs: share of ranks heard from since the stall began before judging by numbers
+STALE_WAIT_S = 30.0  # ... or this long after the incident opened (a judgement on what is known)
+
+
+def diagnose(run: RunState, incident: Incident, now: Optional[float] = None,
+             final: bool = True) -> Optional[wire.Verdict]:
+    """The hang verdict of a ready incident. Computed once per incident and
+    evidence (cached: a big job's diagnosis reads every rank once)."""
     evidence = run.evidence_for(incident.id)
+    signature = (tuple(sorted((r, ev.source, len(ev.notes)) for r, ev in evidence.items())),
+                 len(run.notable), final)
+    cache = run.trackers.setdefault("_hang_diagnoses", {})
+    cached = cache.get(incident.id)
+    if cached is not None and cached[0] == signature:
+        return cached[1]
+    found = _diagnose(run, incident, evidence, time.time() if now is None else now, final)
+    if found is not None:
+        cache[incident.id] = (signature, found)
+    return found
+
+
+def _diagnose(run: RunState, incident: Incident, evidence: dict[int, RankEvidence], now: float,
+              final: bool) -> Optional[wire.Verdict]:
     ranks = sorted(run.ranks)
     if not ranks:
         return None
-    exited = [r for r in ranks if run.ranks[r].exit_code is not None
-              and (run.ranks[r].exited_at or 0) <= incident.opened_at and not run.ranks[r].killed_by_rankwatch]
-    live = [r for r in ranks if r not in exited]
+    exited = [s.rank for s in run.notable_ranks() if s.exit_code is not None
+              and (s.exited_at or 0) <= incident.opened_at and not s.killed_by_rankwatch]
+    exited_set = set(exited)
+    live = [r for r in ranks if r not in exited_set]
     seqs = {r: _enqueued(run, r, evidence.get(r)) for r in ranks}
     details: dict[str, Any] = {"ranks": {}}
-    for r in ranks:
-        ev = evidence.get(r)
-        state = run.ranks[r]
-        stack = ev.main_stack if ev else []
-        details["ranks"][str(r)] = {
-            "step": state.step,
-            "phase": state.phase,
-            "collective_seq": seqs[r],
-            "exited": r in exited,
-            "exit_code": state.exit_code,
-            "exited_at": state.exited_at if r in exited else None,
-            "where": where(stack) if stack else None,
-            "waiting_in_collective": waits_in_collective(stack) if stack else None,
-            "bundle": ev.bundle_path if ev else None,
-            "native_stack": bool(ev and ev.native_stacks),
-        }
 
     culprits: list[int] = []
     reason = ""
@@ -87,12 +143,44 @@ def diagnose(run: RunState, incident: Incident) -> Optional[wire.Verdict]:
         culprits, reason = _frozen(run, incident, live, evidence)
         frozen = bool(culprits)
     if not culprits:
-        culprits, reason = _behind_in_collectives(seqs, live, details)
+        if len(ranks) > EVIDENCE_FROM_EVERY_RANK:
+            fresh = _fresh(run, incident, evidence, live)
+            waited = now - incident.opened_at >= STALE_WAIT_S or final
+            if len(fresh) < FRESH_SHARE * len(live) and not waited:
+                return None  # not yet: the next pass has fresher numbers
+            culprits, reason = _behind_in_collectives(seqs, fresh, details, minority=True)
+        else:
+            culprits, reason = _behind_in_collectives(seqs, live, details)
     if not culprits:
         culprits, reason = _stack_outliers(live, evidence)
     if not culprits:
         culprits = live or ranks
         reason = "every rank stopped making progress and no rank stands out (a stuck collective or a shared dependency)"
+
+    # Each rank's figures: every rank on a small job; on a big one the
+    # culprits, the ranks asked for evidence, those that exited and the first
+    # few (the evidence of a 100,000-rank hang is not 100,000 entries).
+    listed = ranks
+    if len(ranks) > EVIDENCE_FROM_EVERY_RANK:
+        listed = sorted(set(culprits) | set(evidence) | set(incident.requested_ranks) | exited_set
+                        | set(ranks[:LISTED_RANKS]))
+        details["ranks_total"] = len(ranks)
+    for r in listed:
+        ev = evidence.get(r)
+        state = run.ranks[r]
+        stack = ev.main_stack if ev else []
+        details["ranks"][str(r)] = {
+            "step": state.step,
+            "phase": state.phase,
+            "collective_seq": seqs[r],
+            "exited": r in exited_set,
+            "exit_code": state.exit_code,
+            "exited_at": state.exited_at if r in exited_set else None,
+            "where": where(stack) if stack else None,
+            "waiting_in_collective": waits_in_collective(stack) if stack else None,
+            "bundle": ev.bundle_path if ev else None,
+            "native_stack": bool(ev and ev.native_stacks),
+        }
 
     first = culprits[0]
     state = run.ranks[first]
@@ -100,7 +188,8 @@ def diagnose(run: RunState, incident: Incident) -> Optional[wire.Verdict]:
     stack = (outside_frames(ev) if frozen else ev.main_stack) if ev else []
     stack = fill_source(stack, run.all_evidence())
     step = _step_at_stall(state, incident, ev) if frozen else state.step
-    others = [r for r in ranks if r not in culprits]
+    culprit_set = set(culprits)
+    others = [r for r in ranks if r not in culprit_set]
     summary = f"{ranks_text(culprits).capitalize()} {reason}"
     if stack:
         location = where(stack)
@@ -118,7 +207,7 @@ def diagnose(run: RunState, incident: Incident) -> Optional[wire.Verdict]:
     stalled = max(0.0, incident.opened_at - incident.last_progress_at)
     details.update({
         "incident": incident.id,
-        "hosts": {str(r): run.ranks[r].host for r in culprits},
+        "hosts": {str(r): run.ranks[r].host for r in culprits[:LISTED_RANKS]},
         "located": located(run, culprits),
         "hang_timeout_s": incident.timeout,
         "stalled_for_s": round(stalled, 3),
@@ -129,6 +218,40 @@ def diagnose(run: RunState, incident: Incident) -> Optional[wire.Verdict]:
                    summary, details)
 
 
+def _fresh(run: RunState, incident: Incident, evidence: dict[int, RankEvidence], live: list[int]) -> list[int]:
+    """Big jobs: not every rank was asked for evidence, so the others' numbers
+    come from their heartbeats, and only one sent after the stall began says
+    where the rank waits (through relays at scale, up to an interval late)."""
+    return [r for r in live if r in evidence and evidence[r].pg_enqueued
+            or (run.ranks[r].beat_at or run.ranks[r].last_heartbeat_at) >= incident.last_progress_at]
+
+
+def conclusive(run: RunState, incident: Incident, stale_after: float) -> bool:
+    """Whether a big job's hang is named by the heartbeats' numbers alone:
+    a rank exited while the others wait, or, with fresh numbers from most
+    ranks and no heartbeat thread silent, a minority is behind in a process
+    group. Its verdict then need not wait for bundles, which come at the
+    relays' cadence (10 s at 100,000 ranks) and add stacks when they arrive.
+    Small jobs always wait for their ranks' evidence."""
+    if len(run.ranks) <= EVIDENCE_FROM_EVERY_RANK:
+        return False
+    notable = run.notable_ranks()
+    if any(s.exit_code is not None and (s.exited_at or 0) <= incident.opened_at and not s.killed_by_rankwatch
+           for s in notable):
+        return True
+    exited = {s.rank for s in notable if s.exit_code is not None}
+    live = [r for r in run.ranks if r not in exited]
+    if any(run.ranks[r].silent_for(incident.opened_at) > stale_after for r in live):
+        return False  # a frozen rank is told by its outside stacks
+    evidence = run.evidence_for(incident.id)
+    fresh = _fresh(run, incident, evidence, live)
+    if len(fresh) < FRESH_SHARE * len(live):
+        return False
+    seqs = {r: _enqueued(run, r, evidence.get(r)) for r in fresh}
+    culprits, _ = _behind_in_collectives(seqs, fresh, {}, minority=True)
+    return bool(culprits)
+
+
 def _enqueued(run: RunState, rank: int, ev: Optional[RankEvidence]) -> Optional[dict[str, int]]:
     if ev is not None and ev.pg_enqueued:
         return dict(ev.pg_enqueued)
@@ -137,7 +260,10 @@ def _enqueued(run: RunState, rank: int, ev: Optional[RankEvidence]) -> Optional[
 
 
 def _behind_in_collectives(seqs: dict[int, Optional[dict[str, int]]], live: list[int],
-                           details: dict[str, Any]) -> tuple[list[int], str]:
+                           details: dict[str, Any], minority: bool = False) -> tuple[list[int], str]:
+    """Per process group, the ranks whose last enqueued collective is behind
+    the others'. With `minority` (big jobs), only when they are fewer than
+    half: most ranks "behind" is numbers in flight, not a culprit."""
     known = {r: seqs[r] for r in live if seqs.get(r)}
     if len(known) < 2:
         return [], ""
@@ -150,7 +276,7 @@ def _behind_in_collectives(seqs: dict[int, Optional[dict[str, int]]], live: list
             continue
         top = max(members.values())
         lagging = [r for r, v in members.items() if v < top]
-        if lagging and len(lagging) < len(members):
+        if lagging and len(lagging) < len(members) and (not minority or 2 * len(lagging) < len(members)):
             behind.update(lagging)
             waiting_at[pg] = top
     if not behind:
@@ -172,7 +298,7 @@ def _stack_outliers(live: list[int], evidence: dict[int, RankEvidence]) -> tuple
 
 # -- a rank frozen with the GIL held ------------------------------------------------
 
-STALE_HEARTBEAT_S = 3.0  # the collector asks for outside stacks past 3 heartbeat intervals (1 s default)
+STALE_HEARTBEAT_S = 3.0  # an incident that does not say (older index): 3 heartbeat intervals of 1 s
 
 
 def _frozen(run: RunState, incident: Incident, live: list[int],
@@ -188,9 +314,10 @@ def _frozen(run: RunState, incident: Incident, live: list[int],
         if ev is None:
             continue
         stale = bool(ev.native_stacks or ev.faulthandler)
-        last = run.ranks[r].last_heartbeat_at
-        if not stale and last:
-            stale = incident.opened_at - last > STALE_HEARTBEAT_S
+        if not stale:
+            limit = incident.details.get("stale_after_s")
+            limit = limit if isinstance(limit, (int, float)) else STALE_HEARTBEAT_S
+            stale = run.ranks[r].silent_for(incident.opened_at) > limit
         if not stale:
             continue
         stack = outside_frames(ev)
@@ -304,7 +431,7 @@ def left_the_loop(run: RunState, now: float) -> Optional[wire.Verdict]:
     found = failures(run)
     if not found or run.interrupted:
         return None
-    leavers = {r: s for r, s in run.ranks.items()
+    leavers = {s.rank: s for s in run.notable_ranks()
                if s.exit_code == 0 and s.exited_at is not None and not s.killed_by_rankwatch}
     if not leavers:
         return None
@@ -341,7 +468,7 @@ def left_the_loop(run: RunState, now: float) -> Optional[wire.Verdict]:
         "reason": "left the training loop and exited cleanly while peers were in a collective with it",
         "ranks": {str(r): {"exited": r in culprits, "exit_code": run.ranks[r].exit_code,
                            "exited_at": run.ranks[r].exited_at, "step": run.ranks[r].step,
-                           "phase": run.ranks[r].phase} for r in sorted(run.ranks)},
+                           "phase": run.ranks[r].phase} for r in _listed(run, culprits + victim_ranks)},
         "hosts": {str(r): run.ranks[r].host for r in culprits},
         "located": located(run, culprits),
         "waiting_at": {seq[0]: seq[1]} if seq else {},
@@ -349,6 +476,15 @@ def left_the_loop(run: RunState, now: float) -> Optional[wire.Verdict]:
                           "summary": v.cause[:500], "exit_code": v.exit_code} for v in victims],
     }
     return verdict("hang", culprits, step, state.exited_at, max(now, state.exited_at or now), summary, details)
+
+
+def _listed(run: RunState, ranks: list[int]) -> list[int]:
+    """The ranks a verdict lists one by one: all of a small job; of a big
+    one, those named and the first few."""
+    everyone = sorted(run.ranks)
+    if len(everyone) <= EVIDENCE_FROM_EVERY_RANK:
+        return everyone
+    return sorted(set(ranks) | set(everyone[:LISTED_RANKS]))
 
 
 def _peer_error(cause: str) -> str:

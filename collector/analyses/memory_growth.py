@@ -16,7 +16,7 @@ from rankwatch import wire
 from rankwatch.memory_snapshot import human
 
 from ..state import RunState
-from .common import ranks_text, register_tracker, settle, tracker, verdict
+from .common import paced, ranks_text, register_tracker, settle, tracker, verdict
 
 SKIP_FIRST = 5
 MIN_STEPS = 15
@@ -118,7 +118,7 @@ class Tracker:
         for field, _ in FIELDS:
             per_rank = self.series[field]
             changed = False
-            for rank, record in records.items():
+            for rank, record in paced(records.items()):
                 value = getattr(record, field)
                 if value is None:
                     continue

@@ -14,7 +14,7 @@ from typing import Any
 from rankwatch import wire
 
 from ..state import RunState
-from .common import ranks_text, register_tracker, settle, tracker, verb, verdict
+from .common import paced, ranks_text, register_tracker, settle, tracker, verb, verdict
 
 REPEATED_SKIPS = 20  # consecutive skipped overflow steps that make a verdict
 
@@ -60,7 +60,7 @@ class Tracker:
                 "parameters": [], "loss": record.loss})
 
     def on_step(self, run: RunState, step: int, records: dict[int, wire.StepRecord]) -> None:
-        for rank, record in records.items():  # a GPU rank fills its loss a step late
+        for rank, record in paced(records.items()):  # a GPU rank fills its loss a step late
             self.on_record(run, rank, record)
 
     def on_event(self, run: RunState, rank: int, event: wire.Event) -> None:

@@ -19,7 +19,7 @@ from .crash import failures
 
 def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
     found = failures(run)
-    device_events = {r: e for r, s in list(run.ranks.items()) if (e := s.first_event("oom")) is not None}
+    device_events = {s.rank: e for s in run.notable_ranks() if (e := s.first_event("oom")) is not None}
     ooms = [f for f in found if f.oom]
     ranks = sorted({f.rank for f in ooms} | set(device_events))
     if not ranks:

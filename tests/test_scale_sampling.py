@@ -1,0 +1,203 @@
+"""What lets one collector watch 100,000 ranks, tested without the load:
+the relays forward every k-th step record (and every unusual one) when the
+collector asks; the cross-rank analyses judge sampled steps; a big job's
+hang asks only its suspects for evidence and is named from the heartbeats'
+numbers without waiting for bundles; the analyses that look for rare facts
+(a crash, an exit, an OOM, a mismatch) no longer read every rank.
+
+The bench (`bench/collector_load.py`, smoke-tested in test_scale_load.py)
+measures the same code under load."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from rankwatch import wire
+from rankwatch.collector import analyses
+from rankwatch.collector.analyses import collective_mismatch, grad_spike, hang
+from rankwatch.collector.service import Collector, record_stride
+from rankwatch.collector.state import RunState
+from rankwatch.collector.store import Store
+from rankwatch.config import Config
+from rankwatch.relay import Relay, StepSampler
+
+COLUMNS = list(wire.STEP_COLUMNS)
+
+
+def _row(step: int, loss=2.0, grad_norm=1.5, nonfinite=0) -> list:
+    return [step, 1000.0 + step, 1001.0 + step, 1, 0.8, 0.01, loss, grad_norm, nonfinite, 1, 1 << 30, None, None, None]
+
+
+def _beat(rank: int, rows: list) -> dict:
+    return {"version": 1, "identity": {"run_id": "big", "rank": rank, "local_rank": rank % 8, "world_size": 4096},
+            "step": rows[-1][0] if rows else 0, "step_columns": COLUMNS, "step_rows": rows}
+
+
+# -- the relay's sampling ------------------------------------------------------------------
+
+
+def test_the_relay_forwards_every_kth_step_and_every_unusual_record():
+    sampler = StepSampler()
+    rows = [_row(s) for s in range(100, 116)]
+    assert sampler.sample(0, _beat(0, rows))["step_rows"] == rows  # stride 1: everything
+    sampler.stride = 8
+    kept = sampler.sample(0, _beat(0, [_row(s) for s in range(116, 140)]))["step_rows"]
+    assert [r[0] for r in kept] == [120, 128, 136]
+    unusual = [_row(141, loss="NaN"), _row(142, nonfinite=3), _row(143, grad_norm=40.0), _row(145, grad_norm=1.6),
+               _row(146, loss="Infinity"), _row(147, grad_norm=1.4)]
+    kept = sampler.sample(0, _beat(0, unusual))["step_rows"]
+    assert [r[0] for r in kept] == [141, 142, 143, 146]  # NaN, non-finite grads, a 27x norm, Inf; not 145, 147
+
+
+def test_a_relay_takes_the_stride_the_collector_asks_for():
+    relay = Relay(lambda *a, **k: {}, "big")
+    relay._take_reply({"commands": [], "ranks": {}, "version": wire.WIRE_VERSION, "interval": 10.0, "step_stride": 8})
+    assert relay.sampler.stride == 8 and relay.interval == 10.0
+    relay._take_reply({"commands": [], "version": wire.WIRE_VERSION})
+    assert relay.sampler.stride == 1
+    relay._take_reply({"commands": [], "version": wire.WIRE_VERSION, "step_stride": 100_000})  # out of range
+    assert relay.sampler.stride == 1
+
+
+def test_the_stride_keeps_the_collector_near_its_record_budget():
+    assert record_stride(64, 0.01) is None  # small jobs: every step, however fast
+    assert record_stride(100_000, None) is None  # step time not known yet
+    assert record_stride(10_000, 1.0) is None  # 10,000 records a second
+    assert record_stride(100_000, 1.0) == 8  # 12,500 a second
+    assert record_stride(50_000, 1.0) == 4
+    assert record_stride(100_000, 10.0) is None
+    assert record_stride(100_000, 0.001) == 64  # bounded
+
+
+def test_the_collector_asks_a_big_fast_job_for_a_stride():
+    c = Collector(Config(hang_timeout=20))
+    run = c._run("big", 100_000)
+    run.typical_step_s = 1.0
+    node = wire.NodeHeartbeat(run_id="big", host="n0", node_rank=0, world_size=100_000, sent_at=time.time())
+    reply = c.ingest_node_report(wire.NodeReport(node=node, heartbeats=[]))
+    assert reply.step_stride == 8 and reply.interval == 10.0
+    assert json.loads(json.dumps(wire.to_dict(reply)))["step_stride"] == 8
+    c.stop()
+
+
+# -- analyses on sampled steps ----------------------------------------------------------------
+
+
+def _records(step: int, ranks, norm=lambda r: 1.0 + 0.01 * (r % 5)) -> dict:
+    return {r: wire.StepRecord(step, 1000.0 + step, 1001.0 + step, 1, 0.8, 0.01, 2.0, norm(r), 0, 1, 1 << 30)
+            for r in ranks}
+
+
+def test_a_spike_on_a_step_only_its_rank_reported_is_judged_against_the_peers_median():
+    run = RunState("big", world_size=2048)
+    tracker = grad_spike.Tracker()
+    everyone = range(2048)
+    for step in range(0, 64, 8):  # sampled steps: every rank
+        tracker.on_step(run, step, _records(step, everyone))
+    tracker.on_step(run, 65, _records(65, [7], norm=lambda r: 1.2))  # forwarded but ordinary: nothing
+    assert tracker.finding is None
+    tracker.on_step(run, 66, _records(66, [7], norm=lambda r: 80.0))  # only rank 7's record of step 66
+    assert tracker.finding is not None and set(tracker.finding["spiked"]) == {7} and tracker.finding["step"] == 66
+
+
+def test_marks_already_settled_are_not_read_again_and_a_later_mismatch_is_still_found():
+    run = RunState("m", world_size=3)
+    for r in range(3):
+        run.rank(r)
+    for step in (5, 10):
+        for r in range(3):
+            run.ranks[r].marks[step] = {"0": 3 * step}
+    assert collective_mismatch.detect(run, time.time(), False) == []
+    seen = run.trackers["_marks_seen"]
+    assert seen.settled == {5, 10}
+    for r in range(3):
+        run.ranks[r].marks[15] = {"0": 45 + (1 if r == 2 else 0)}
+    found = collective_mismatch.detect(run, time.time(), False)
+    assert [v.ranks for v in found] == [[2]] and found[0].step == 15
+
+
+def test_rare_facts_are_found_without_reading_every_rank():
+    run = RunState("n", world_size=50_000)
+    for r in range(50_000):
+        run.rank(r)
+    assert run.notable == set()
+    run.ranks[123].exit_code = -9
+    run.ranks[4567].events.append(wire.Event(kind="exception", at=time.time(), step=3,
+                                             details={"type": "RuntimeError", "message": "boom"}))
+    assert run.notable == {123, 4567}
+    started = time.perf_counter()
+    for _ in range(20):
+        failures = analyses.crash.failures(run)
+    assert {f.rank for f in failures} == {123, 4567}
+    assert (time.perf_counter() - started) / 20 < 0.01  # reading 50,000 ranks would take ~20 ms
+
+
+def test_a_flush_of_many_ranks_records_is_one_row_and_loads_back(tmp_path):
+    store = Store(tmp_path / "i.sqlite")
+    run = RunState("s", world_size=3)
+    store.save_run(run)
+    for r in range(3):
+        beat = wire.Heartbeat(identity=wire.RankIdentity(run_id="s", rank=r, local_rank=r, world_size=3), sent_at=time.time(),
+                              steps=list(_records(4, [r]).values()) + list(_records(5, [r], norm=lambda r: float("nan")).values()))
+        store.save_heartbeat_data("s", r, beat)
+    store.flush()
+    rows = store._rows("SELECT kind, rank FROM batches WHERE run_id='s'")
+    assert rows == [("steps_by_rank", -1)]
+    loaded = store.load_run("s")
+    assert sorted(loaded.ranks) == [0, 1, 2]
+    record = loaded.ranks[2].steps[5]
+    assert record.grad_norm != record.grad_norm  # NaN kept (strict JSON), not null
+    store.close()
+
+
+# -- a big job's hang ----------------------------------------------------------------------------
+
+
+def _big_job(c: Collector, world: int, culprit: int, now: float) -> None:
+    """`world` ranks in nodes of 8 through relays: all at step 50 a minute
+    ago; 45 s ago every rank but `culprit` entered the next collective; the
+    heartbeats (1 s old) still say so."""
+    for phase in ("running", "stalled"):
+        sent = now - 60 if phase == "running" else now - 1
+        for node in range(world // 8):
+            ranks = range(node * 8, node * 8 + 8)
+            workers = [wire.WorkerStatus(local_rank=r % 8, rank=r, pid=1000 + r) for r in ranks]
+            view = wire.NodeHeartbeat(run_id="big", host=f"n{node}", node_rank=node, world_size=world,
+                                      sent_at=sent, workers=workers)
+            beats = []
+            for r in ranks:
+                ahead = phase == "stalled" and r != culprit
+                beats.append(wire.Heartbeat(
+                    identity=wire.RankIdentity(run_id="big", rank=r, local_rank=r % 8, world_size=world,
+                                               node_rank=node, host=f"n{node}", pid=1000 + r),
+                    sent_at=sent, seq=1 if phase == "running" else 2, step=50, forwards=50,
+                    phase="backward" if ahead else "forward", last_progress_at=now - 45 if ahead else now - 60,
+                    collectives_enqueued={"0": 150 + (1 if ahead else 0)}, collectives_completed={"0": 150}))
+            c.ingest_node_report(wire.NodeReport(node=view, heartbeats=beats), now=sent)
+        if phase == "running":
+            c.runs["big"].last_progress_seen_at = now - 60  # the run began before this test's first report
+
+
+def test_a_big_jobs_hang_asks_only_its_suspects_and_is_named_before_the_evidence_window_ends():
+    c = Collector(Config(hang_timeout=20, on_hang="wait"))
+    world, culprit = 2048, 1234
+    now = time.time()
+    _big_job(c, world, culprit, now)
+    run = c.runs["big"]
+    c.tick(now)  # the stall is older than the hang timeout: an incident
+    incident = next(i for i in run.incidents if i.kind == "hang")
+    assert culprit in incident.requested_ranks
+    assert len(incident.requested_ranks) <= hang.MAX_SUSPECTS + hang.REFERENCE_RANKS < world
+    capture = [cmd for cmds in c._rt["big"].node_commands.values() for cmd in cmds if cmd.kind == "capture"]
+    assert sum(len(cmd.ranks) for cmd in capture) == len(incident.requested_ranks)
+    assert incident.deadline - now > c.config.evidence_window  # commands leave with the next relay report
+    c.tick(now + 0.5)  # no bundle came: the numbers are conclusive, the verdict does not wait
+    c.tick(now + 1.0)
+    verdicts = [v for v in c._rt["big"].verdicts if v.kind == "hang"]
+    assert [v.ranks for v in verdicts] == [[culprit]]
+    assert "never reached collective #151" in verdicts[0].summary
+    listed = verdicts[0].evidence["ranks"]
+    assert str(culprit) in listed and len(listed) < 400 and verdicts[0].evidence["ranks_total"] == world
+    assert not run.aborted  # on_hang wait
+    c.stop()
