@@ -37,6 +37,7 @@ RANKS_PER_ANALYSIS_SECOND = 20_000  # 100,000 ranks: analyses every 5 s (the han
 GC_MANUAL_RANKS = 5_000  # ranks watched from which the collector runs Python's garbage collection itself
 FULL_GC_INTERVAL = 300.0
 THAWED_GC_INTERVAL = 3600.0
+NEVER = 2**31 - 1  # a generation threshold that is never reached
 FINISHED_KEPT_S = 120.0  # a finished run stays in memory this long, then is served from the index
 ACTIONABLE = ("collective_mismatch", "nonfinite", "grad_spike", "weight_divergence", "straggler", "memory_growth")
 _SAFE_ID = wire.ID_PATTERN  # never "." or "..": ids become directory names
@@ -86,6 +87,7 @@ class Collector:
         self.metrics = None  # set by metrics.CollectorMetrics when exported
         self._stop = threading.Event()
         self._gc_manual, self._gc_full_at, self._gc_thawed_at = False, 0.0, 0.0
+        self._gc_thresholds = gc.get_threshold()
         self._thread: Optional[threading.Thread] = None
         self.bundles_received = 0
         self.bundles_rejected = 0
@@ -119,7 +121,7 @@ class Collector:
         if self._gc_manual:
             self._gc_manual = False
             gc.unfreeze()
-            gc.enable()
+            gc.set_threshold(*self._gc_thresholds)
         with self._lock:
             self.store.close()
 
@@ -136,36 +138,33 @@ class Collector:
             self.tick_seconds_max = max(getattr(self, "tick_seconds_max", 0.0), self.tick_seconds)
 
     def _collect_garbage(self, now: float) -> None:
-        """Python's full garbage collection scans every live object: ~1.3 s with
-        the 2.3 M objects of 100,000 ranks, and it runs every few steps once
-        that many records churn through the windows. Past GC_MANUAL_RANKS the
-        collector collects itself: the young generations every tick (short
-        pauses: waiting longer makes one long pause of the same total, which
-        every request queued behind it feels), and every FULL_GC_INTERVAL the
-        old objects too, then freezes the survivors (gc.freeze): the next full
-        collections scan only what came since (a few seconds' pause became
-        milliseconds). Once every THAWED_GC_INTERVAL everything is thawed and
-        collected, so cycles among long-lived objects (a closed connection's)
-        are freed too."""
+        """Python's full garbage collection scans every live object: ~2 s with
+        the 3 M objects of 100,000 ranks, and left to itself it runs every few
+        steps once that many records churn through the windows. Past
+        GC_MANUAL_RANKS the collector takes the full collections over: the
+        young generations stay automatic (many pauses of a millisecond, not
+        one long one that every queued request feels), and every
+        FULL_GC_INTERVAL the collector collects everything and freezes the
+        survivors (gc.freeze), so the next full collection scans only what came
+        since. Once every THAWED_GC_INTERVAL everything is thawed and collected,
+        so cycles among long-lived objects (a closed connection's) are freed too."""
         big = sum(len(run.ranks) for run in list(self.runs.values())) >= GC_MANUAL_RANKS
         if big and not self._gc_manual:
-            self._gc_manual, self._gc_full_at = True, now
-            gc.disable()
-            self._gc_thawed_at = now
+            self._gc_manual, self._gc_full_at, self._gc_thawed_at = True, now, now
+            self._gc_thresholds = gc.get_threshold()
+            young, middle = self._gc_thresholds[:2]
+            gc.set_threshold(young, middle, NEVER)  # no automatic full collection
         elif not big and self._gc_manual:
             self._gc_manual = False
             gc.unfreeze()
-            gc.enable()
-        if self._gc_manual:
-            if now - self._gc_full_at >= FULL_GC_INTERVAL:
-                self._gc_full_at = now
-                if now - self._gc_thawed_at >= THAWED_GC_INTERVAL:
-                    self._gc_thawed_at = now
-                    gc.unfreeze()
-                gc.collect()
-                gc.freeze()
-            else:
-                gc.collect(1)
+            gc.set_threshold(*self._gc_thresholds)
+        if self._gc_manual and now - self._gc_full_at >= FULL_GC_INTERVAL:
+            self._gc_full_at = now
+            if now - self._gc_thawed_at >= THAWED_GC_INTERVAL:
+                self._gc_thawed_at = now
+                gc.unfreeze()
+            gc.collect()
+            gc.freeze()
 
     def run_dir(self, run_id: str) -> Path:
         rt = self._runtime(run_id)

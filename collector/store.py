@@ -96,8 +96,12 @@ def _dumps_seqs(seqs: dict[str, int]) -> str:
 def _dumps_steps(per_rank: dict[int, list[wire.StepRecord]]) -> str:
     """One run's step records of one flush, every rank in one row (one insert,
     one encoding: ~60,000 ranks' records every 10 s at 100,000 ranks)."""
-    value = {"columns": wire.STEP_COLUMNS,
-             "ranks": {str(rank): [_step_row(r) for r in steps] for rank, steps in per_rank.items()}}
+    ranks = {}
+    for i, (rank, steps) in enumerate(per_rank.items()):
+        if i % 2_000 == 1_999:
+            time.sleep(0)  # hand the interpreter to the collector's HTTP thread (60,000 ranks)
+        ranks[str(rank)] = [_step_row(r) for r in steps]
+    value = {"columns": wire.STEP_COLUMNS, "ranks": ranks}
     # loss and grad_norm are the only fields that may be non-finite, which
     # msgspec would write as null: those records take the strict encoder.
     if _fast_encode is not None and all((r.loss is None or math.isfinite(r.loss))
@@ -240,7 +244,9 @@ class Store:
         if self.degraded:
             return  # said once; what is in memory stays the truth
         rank_rows = []
-        for (run_id, _), s in ranks.items():
+        for i, ((run_id, _), s) in enumerate(ranks.items()):
+            if i % 2_000 == 1_999:
+                time.sleep(0)  # hand the interpreter to the collector's HTTP thread (100,000 rows)
             try:
                 rank_rows.append((run_id, s.rank, s.local_rank, s.node_rank, s.host, s.pid, s.step, s.forwards,
                                   s.phase, s.last_progress_at, s.exit_code, s.exited_at, int(s.killed_by_rankwatch),

@@ -132,10 +132,10 @@ class Tracker:
 
     def _evaluate(self, run: RunState, field: str) -> None:
         per_rank = self.series[field]
-        candidates = [r for r, s in per_rank.items() if s.candidate()]
+        candidates = [r for r, s in paced(per_rank.items()) if s.candidate()]
         if not candidates:
             return
-        eligible = sorted(r for r, s in per_rank.items() if len(s) >= MIN_STEPS)
+        eligible = sorted(r for r, s in paced(per_rank.items()) if len(s) >= MIN_STEPS)
         sample = eligible if len(eligible) <= PEER_SAMPLE + 1 else eligible[:: len(eligible) // PEER_SAMPLE]
         slopes: dict[int, dict] = {}
 
