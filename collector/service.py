@@ -459,9 +459,9 @@ class Collector:
                 rt.dirty = rt.urgent = False
                 rt.analysed_at = now
         if not due:
-            if len(run.feed):
-                # What arrived is taken in every tick, in small pieces, even when
-                # the analyses' next pass is seconds away (big jobs).
+            if interval > ANALYSIS_INTERVAL and len(run.feed):
+                # Big jobs: what arrived is taken in every tick, in small pieces,
+                # though the analyses' next pass is seconds away.
                 try:
                     settle(run)
                 except Exception:
