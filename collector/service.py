@@ -561,9 +561,10 @@ class Collector:
         if action in ("dump", "abort") and v.kind not in rt.dumped_kinds:
             rt.dumped_kinds.add(v.kind)
             live = self._live_ranks(run)
+            alive = set(live)
             incident = Incident(id=f"{v.kind}-{len(run.incidents) + 1}", kind=v.kind, opened_at=now,
                                 last_progress_at=run.last_progress_seen_at,
-                                requested_ranks=hang.with_references(live, [r for r in v.ranks if r in set(live)]),
+                                requested_ranks=hang.with_references(live, [r for r in v.ranks if r in alive]),
                                 deadline=now + self._evidence_window(run), details={"abort": action == "abort"})
             self._open_incident(run, incident, v.kind)
         if v.kind == "straggler":
@@ -641,7 +642,11 @@ class Collector:
             v.detected_at = rt.first_detected[key]
             rt.announced[key] = v
             self.store.save_verdict(run.run_id, v)
-        rt.verdicts = found + _still_announced(rt.announced, found)
+        kept = _still_announced(rt.announced, found)
+        # An announced verdict that a later, truer root explains (rank 0's NaN at
+        # step 7 announced before rank 1's step-6 record arrived) becomes that
+        # root's consequence: one fault, one verdict.
+        rt.verdicts = analyses.explain_away(found + kept) if kept else found
         return rt.verdicts
 
     # -- end of a run ------------------------------------------------------------------------
