@@ -110,7 +110,10 @@ def worker_environment(run_dir: Path) -> dict[str, str]:
         if key in os.environ or aliases.get(key, "") in os.environ:
             continue
         out[key] = value
-    fr_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        fr_dir.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        pass  # torch then writes no dump there; the job runs the same
     return out
 
 
@@ -174,8 +177,7 @@ def run(argv: list[str]) -> int:
         parser.error("a training script (or -m MODULE) is required")
 
     run_id = make_run_id(args)
-    run_dir = Path(cfg.run_dir or Path("rankwatch-runs") / run_id).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = _usable_run_dir(Path(cfg.run_dir or Path("rankwatch-runs") / run_id).resolve(), run_id)
     cfg.run_dir = str(run_dir)
 
     embedded = None
@@ -264,9 +266,12 @@ def run(argv: list[str]) -> int:
 
 def _finish(run_id, run_dir, supervisor, embedded, server, remote, interrupted, exits,
             relay=None) -> Optional[wire.Report]:
-    """Always write report.json: collect late bundles, analyse a last time."""
-    from rankwatch.collector import report as report_mod
+    """Always write report.json: collect late bundles, analyse a last time.
 
+    Nothing here may change the job's exit status or end in a traceback: a
+    collector that is down or answers garbage gives a report built from what
+    this node saw; a run dir that cannot be written gives the report in the
+    temp dir (or only the printed summary)."""
     report = None
     try:
         supervisor.stop()
@@ -274,32 +279,156 @@ def _finish(run_id, run_dir, supervisor, embedded, server, remote, interrupted, 
             relay.stop()  # the node's last report (the supervisor's final view) goes first
         _upload_spool(run_dir, remote)
         _wait_for_crash_bundles(embedded, run_id)
-        request = wire.FinishRequest(interrupted=interrupted,
-                                     exits={str(r): wire.ExitRecord(exit_code=c, exited_at=t) for r, (c, t) in exits.items()})
+        exits = _node_exits(exits, supervisor)
         if embedded is not None:
             report = embedded.finish(run_id, interrupted=interrupted, exits=exits)
         else:
-            try:
-                raw = remote.post(f"/v1/runs/{run_id}/finish", wire.dumps(request), "application/json", timeout=30)
-                report = wire.decode(wire.Report, raw)
-            except Exception as exc:
-                _say(f"collector at {remote.url} unreachable at the end ({exc}); analysing the run dir locally")
-                from rankwatch.collector.offline import analyze_path
-
-                report = analyze_path(run_dir)
+            report, problem = _collector_report(run_id, remote, interrupted, exits)
+            if problem is not None:
+                _say(f"the collector at {remote.url} could not be used at the end ({problem}); "
+                     f"reporting what this node saw")
+                report = node_report(run_id, run_dir, exits, interrupted,
+                                     note=f"the central collector ({remote.url}) could not be used: {problem}; "
+                                          f"this report is built from what this node saw")
     except Exception as exc:
-        _say(f"analysis failed ({type(exc).__name__}: {exc}); writing what is known")
-        report = wire.Report(run_id=run_id, world_size=0, status="healthy", verdicts=[])
+        _say(f"analysis failed ({type(exc).__name__}: {exc}); reporting what this node saw")
+        try:
+            report = node_report(run_id, run_dir, _node_exits(exits, supervisor), interrupted,
+                                 note=f"the analysis failed ({type(exc).__name__}); "
+                                      f"this report is built from what this node saw")
+        except Exception as inner:
+            _say(f"node-side analysis failed too ({type(inner).__name__}: {inner})")
+            report = exits_report(run_id, exits)
     finally:
         if report is not None:
-            report_mod.write(report, run_dir / "report.json")
-            print(report_mod.text(report), file=sys.stderr, flush=True)
-            _say(f"report: {run_dir / 'report.json'}")
+            _write_report(report, run_dir)
         if server is not None:
             server.stop()
         if embedded is not None:
             embedded.stop()
     return report
+
+
+def _node_exits(exits: dict[int, tuple[int, float]], supervisor: Any) -> dict[int, tuple[int, float]]:
+    """torchrun's failures, completed by what the supervisor saw of each local
+    worker's exit (torchrun lists only the failed ones, and only when it
+    raises)."""
+    merged = dict(exits)
+    try:
+        workers = list(supervisor.workers.values())
+    except Exception:
+        return merged
+    for worker in workers:
+        if worker.exit_code is not None and worker.rank not in merged:
+            merged[worker.rank] = (int(worker.exit_code), float(worker.exited_at or time.time()))
+    return merged
+
+
+def _collector_report(run_id: str, remote: Any, interrupted: bool,
+                      exits: dict[int, tuple[int, float]]) -> tuple[Optional[wire.Report], Optional[str]]:
+    """The standalone collector's final report, or why it cannot be used: it
+    is down, answers something that is not a report, a report of another
+    run, or a report that calls a job healthy while one of its ranks failed."""
+    request = wire.FinishRequest(interrupted=interrupted,
+                                 exits={str(r): wire.ExitRecord(exit_code=c, exited_at=t) for r, (c, t) in exits.items()})
+    try:
+        raw = remote.post(f"/v1/runs/{run_id}/finish", wire.dumps(request), "application/json", timeout=30)
+        report = wire.decode(wire.Report, raw)
+    except Exception as exc:
+        return None, f"{type(exc).__name__}: {str(exc)[:200]}"
+    if report.run_id != run_id:
+        return None, f"it answered with the report of another run ({report.run_id[:80]!r})"
+    failed = failed_ranks(exits)
+    if failed and report.status == "healthy":
+        return None, f"it called the run healthy although rank(s) {', '.join(map(str, failed))} failed"
+    return report, None
+
+
+def failed_ranks(exits: dict[int, tuple[int, float]]) -> list[int]:
+    """Ranks that ended with a non-zero status or a signal."""
+    return sorted(rank for rank, (code, _at) in exits.items() if code != 0)
+
+
+def node_report(run_id: str, run_dir: Path, exits: dict[int, tuple[int, float]], interrupted: bool,
+                note: str) -> wire.Report:
+    """The same analyses as the collector's, over what this node has: the
+    bundles its agents and supervisor wrote or spooled in the run dir, and
+    the exits its supervisor saw. Never healthy when a rank failed."""
+    from rankwatch.collector import analyses, report as report_mod
+    from rankwatch.collector.offline import AnalyzeError, load
+    from rankwatch.collector.state import RunState
+
+    try:
+        run, _problems = load(run_dir)
+        if run.run_id != run_id:
+            raise AnalyzeError("another run's files")
+    except (AnalyzeError, OSError):
+        run = RunState(run_id=run_id)
+    for rank, (code, at) in exits.items():
+        state = run.rank(rank)
+        if state.exit_code is None:
+            state.exit_code, state.exited_at = code, at
+    run.world_size = max(run.world_size, max(exits, default=-1) + 1)
+    run.interrupted = run.interrupted or interrupted
+    run.finished = True
+    verdicts = analyses.run_all(run, time.time(), final=True)
+    report = report_mod.build(run, verdicts)
+    if failed_ranks(exits) and not report.verdicts:
+        report = exits_report(run_id, exits, world_size=report.world_size)
+    report.notes.append(note)
+    return report
+
+
+def exits_report(run_id: str, exits: dict[int, tuple[int, float]], world_size: int = 0) -> wire.Report:
+    """The last resort, when no analysis could run: a crash verdict for the
+    ranks that failed (torchrun's own knowledge), or a healthy report when
+    none did."""
+    from rankwatch.collector.analyses.common import verdict
+
+    failed = failed_ranks(exits)
+    world = max(world_size, max(exits, default=-1) + 1)
+    if not failed:
+        return wire.Report(run_id=run_id, world_size=world, status="healthy", verdicts=[])
+    first = min(exits[r][1] for r in failed)
+    how = "; ".join(f"rank {r}: " + (f"killed by signal {-exits[r][0]}" if exits[r][0] < 0 else f"exit code {exits[r][0]}")
+                    for r in failed[:16])
+    found = verdict("crash", failed, None, first, time.time(),
+                    f"Rank(s) {', '.join(map(str, failed[:16]))} failed ({how}); no other evidence was available.",
+                    {"exits": {str(r): {"exit_code": exits[r][0], "exited_at": exits[r][1]} for r in failed},
+                     "consequences": []})
+    return wire.Report(run_id=run_id, world_size=world, status="faulty", verdicts=[found])
+
+
+def _write_report(report: wire.Report, run_dir: Path) -> None:
+    """report.json in the run dir; when that cannot be written (a full or
+    read-only disk), in the temp dir, said in one line; the summary is
+    printed either way."""
+    import tempfile
+
+    from rankwatch.collector import report as report_mod
+
+    target = run_dir / "report.json"
+    written: Optional[Path] = None
+    try:
+        report_mod.write(report, target)
+        written = target
+    except OSError as exc:
+        fallback = Path(tempfile.gettempdir()) / f"rankwatch-{report.run_id}-report.json"
+        try:
+            report_mod.write(report, fallback)
+            written = fallback
+            _say(f"report.json could not be written to {target} ({exc.strerror or exc}); written to {fallback}")
+        except OSError as exc2:
+            _say(f"report.json could not be written to {target} ({exc.strerror or exc}) nor to {fallback} "
+                 f"({exc2.strerror or exc2}); only the summary below is available")
+    try:
+        from rankwatch.collector import report as report_mod
+
+        print(report_mod.text(report), file=sys.stderr, flush=True)
+    except Exception as exc:
+        _say(f"summary not printed ({type(exc).__name__}: {exc})")
+    if written is not None:
+        _say(f"report: {written}")
 
 
 def _upload_spool(run_dir: Path, remote: Any) -> None:
@@ -329,6 +458,20 @@ def _wait_for_crash_bundles(collector, run_id: str, timeout: float = 3.0) -> Non
         if not pending:
             return
         time.sleep(0.1)
+
+
+def _usable_run_dir(run_dir: Path, run_id: str) -> Path:
+    """The run dir, or a fresh one in the temp dir when it cannot be created
+    (a read-only or full file system): the job runs either way."""
+    import tempfile
+
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return run_dir
+    except OSError as exc:
+        fallback = Path(tempfile.mkdtemp(prefix=f"rankwatch-{run_id}-"))
+        _say(f"run dir {run_dir} cannot be created ({exc.strerror or exc}); using {fallback}")
+        return fallback
 
 
 def _local_world_size(args: argparse.Namespace) -> int:
