@@ -17,11 +17,17 @@ import json
 import sys
 from pathlib import Path
 
-from grafana_foundation_sdk.builders import dashboard as gdash
-from grafana_foundation_sdk.builders import heatmap, prometheus, stat, timeseries
-from grafana_foundation_sdk.cog.encoder import JSONEncoder
-from grafana_foundation_sdk.models import dashboard as mdash
-from grafana_foundation_sdk.models import prometheus as mprom
+try:
+    from grafana_foundation_sdk.builders import dashboard as gdash
+    from grafana_foundation_sdk.builders import heatmap, prometheus, stat, timeseries
+    from grafana_foundation_sdk.cog.encoder import JSONEncoder
+    from grafana_foundation_sdk.models import dashboard as mdash
+    from grafana_foundation_sdk.models import prometheus as mprom
+except ModuleNotFoundError as exc:
+    if not (exc.name or "").startswith("grafana_foundation_sdk") or __name__ != "__main__":
+        raise
+    sys.exit("dashboards/build.py needs grafana-foundation-sdk, which is not installed: "
+             "pip install 'rankwatch[grafana]'")
 
 HERE = Path(__file__).resolve().parent
 DS = mdash.DataSourceRef(type_val="prometheus", uid="${datasource}")

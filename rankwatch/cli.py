@@ -48,6 +48,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rankwatch {__version__}")
         return 0
     command, rest = argv[0], argv[1:]
+    from .extras import MissingExtra
+
+    try:
+        return _dispatch(command, rest)
+    except MissingExtra as exc:
+        print(f"rankwatch {command}: {exc}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(command: str, rest: list[str]) -> int:
     if command == "run":
         from .launcher import run
 
@@ -101,7 +111,10 @@ def analyze(argv: list[str]) -> int:
         from rankwatch.collector.offline import load
 
         from . import plot as plot_mod
+        from .extras import require
 
+        if args.plot:
+            require("matplotlib", "matplotlib", "plot", "--plot")
         run, _ = load(Path(args.path), args.run_id)
         if args.plot:
             print(f"plot: {plot_mod.plot(run, report, Path(args.plot))}", file=sys.stderr)
@@ -173,8 +186,9 @@ def collector(argv: list[str]) -> int:
                        help="bearer token required on every endpoint but /healthz (or RANKWATCH_TOKEN)")
     serve.add_argument("--metrics-open", dest="metrics_open", action="store_true", default=None,
                        help="serve /metrics without the token (or RANKWATCH_METRICS_OPEN=1)")
-    serve.add_argument("--server", choices=("aiohttp", "stdlib"), default="aiohttp",
-                       help="HTTP server: aiohttp (default, for many nodes) or the standard library's")
+    serve.add_argument("--server", choices=("auto", "aiohttp", "stdlib"), default="auto",
+                       help="HTTP server: aiohttp (for many nodes; pip install 'rankwatch[collector]') or the "
+                            "standard library's; auto (default) takes aiohttp when it is installed")
     args = parser.parse_args(argv)
     from rankwatch.collector import Collector, CollectorServer
 
@@ -194,7 +208,17 @@ def collector(argv: list[str]) -> int:
     sys.setswitchinterval(0.001)
     service = Collector(config=cfg, data_dir=Path(args.data_dir))
     metrics = CollectorMetrics(service)
-    if args.server == "aiohttp":
+    from .extras import available, require
+
+    choice = args.server
+    if choice == "auto":
+        choice = "aiohttp" if available("aiohttp") else "stdlib"
+        if choice == "stdlib":
+            print("rankwatch collector: aiohttp is not installed, serving with the standard library's server "
+                  "(fine for jobs of up to ~1,000 ranks; pip install 'rankwatch[collector]' for more)",
+                  file=sys.stderr, flush=True)
+    if choice == "aiohttp":
+        require("aiohttp", "aiohttp", "collector", "--server aiohttp")
         from rankwatch.collector.server import AsyncCollectorServer as server_class
     else:
         server_class = CollectorServer

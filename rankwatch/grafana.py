@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -25,7 +26,9 @@ DATASOURCE_NAME = "rankwatch-prometheus"
 
 
 def _api(url: str, token: Optional[str]):
-    from grafana_client import GrafanaApi
+    from .extras import require
+
+    GrafanaApi = require("grafana_client", "grafana-client", "grafana", "rankwatch grafana").GrafanaApi
 
     return GrafanaApi.from_url(url=url, credential=token or None, timeout=5.0)
 
@@ -33,9 +36,9 @@ def _api(url: str, token: Optional[str]):
 def push(url: str, token: Optional[str], prometheus_url: Optional[str],
          dashboards_dir: Path = DASHBOARDS_DIR, folder_uid: Optional[str] = None) -> list[str]:
     """Upload (overwrite) every dashboard, and create or update the datasource."""
+    api = _api(url, token)  # first: names the extra when grafana-client is missing
     from grafana_client.client import GrafanaClientError
 
-    api = _api(url, token)
     done = []
     if prometheus_url:
         datasource = {"name": DATASOURCE_NAME, "type": "prometheus", "access": "proxy", "url": prometheus_url,
@@ -47,7 +50,11 @@ def push(url: str, token: Optional[str], prometheus_url: Optional[str],
         except GrafanaClientError:
             api.datasource.create_datasource(datasource)
             done.append(f"datasource {DATASOURCE_NAME} created")
-    for path in sorted(Path(dashboards_dir).glob("*.json")):
+    boards = sorted(Path(dashboards_dir).glob("*.json"))
+    if not boards:
+        raise FileNotFoundError(f"no dashboards (*.json) in {dashboards_dir}: pass --dashboards DIR "
+                                f"(the dashboards/ folder of rankwatch's source tree)")
+    for path in boards:
         board = json.loads(path.read_text())
         payload = {"dashboard": board, "overwrite": True, "message": "rankwatch grafana push"}
         if folder_uid:
@@ -110,6 +117,11 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if not args.url:
         parser.error("--url (or RANKWATCH_GRAFANA_URL) is required")
-    for line in push(args.url, args.token, args.prometheus_url, Path(args.dashboards), args.folder_uid):
+    try:
+        lines = push(args.url, args.token, args.prometheus_url, Path(args.dashboards), args.folder_uid)
+    except FileNotFoundError as exc:
+        print(f"rankwatch grafana: {exc}", file=sys.stderr)
+        return 2
+    for line in lines:
         print(line)
     return 0
