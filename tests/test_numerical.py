@@ -29,6 +29,19 @@ def test_one_ranks_batch_scaled_is_a_grad_spike_on_that_rank_only(tmp_path, trai
         f"the post-allreduce blow-up on every rank is not blamed on all: {job.verdicts()}"
 
 
+def test_ppo_value_targets_scaled_on_one_rank_is_a_grad_spike_there(tmp_path):
+    """A small PPO (several minibatch updates per rollout, clipping, a loss that
+    is often negative): one rank's value targets x 10^4 for one update."""
+    from conftest import SCRIPTS
+
+    job = run_job(tmp_path, ["--nproc-per-node", "4", str(SCRIPTS / "ppo_small.py"),
+                             "--bad-rank", "2", "--bad-step", "50"])
+    assert job.exit_code == 0, job.output[-3000:]
+    spike = job.only("grad_spike")
+    assert (spike["ranks"], spike["step"]) == ([2], 50)
+    assert len(job.verdicts()) == 1, job.verdicts()
+
+
 def test_perturbed_replica_is_weight_divergence(tmp_path, train_script):
     job = run_job(tmp_path, ["--nproc-per-node", "4", str(train_script), "--steps", "25",
                              "--fault", "perturb", "--fault-rank", "2", "--fault-step", "7"])
