@@ -72,7 +72,7 @@ _EMPTY_BYTES: dict[Any, bytes] = {}
 
 def _reply_dict(reply: Any) -> Any:
     """Most replies carry no command: encoded once, not per request."""
-    if not reply.commands and not getattr(reply, "ranks", None):
+    if not reply.commands and not getattr(reply, "ranks", None) and not getattr(reply, "verdicts", None):
         interval, stride = getattr(reply, "interval", None), getattr(reply, "step_stride", None)
         cached = _EMPTY_BYTES.get((interval, stride))
         if cached is None:

@@ -334,7 +334,8 @@ class Collector:
             if rt.abort_sent and run.aborted:
                 commands.append(wire.Command(kind="abort", reason=run.aborted))
             self.store.save_run(run)
-        return wire.Reply(commands=commands)
+            verdicts = [announcement(run.run_id, v) for v in rt.verdicts[-MAX_ANNOUNCED:]]
+        return wire.Reply(commands=commands, verdicts=verdicts)
 
     def ingest_node_report(self, report: wire.NodeReport, now: Optional[float] = None) -> wire.NodeReply:
         """One node's batch (from its relay): the supervisor's view and its
@@ -351,7 +352,8 @@ class Collector:
                 log.debug("node report: heartbeat dropped: %s", exc)
         ranks: dict[str, list[wire.Command]] = {}
         with self._lock:
-            commands = self.ingest_node(report.node, now).commands if report.node is not None else []
+            node_reply = self.ingest_node(report.node, now) if report.node is not None else wire.Reply()
+            commands = node_reply.commands
             for hb in good:
                 try:
                     reply = self.ingest_heartbeat(hb, now)
@@ -365,7 +367,7 @@ class Collector:
             run_id = report.node.run_id if report.node else (good[0].identity.run_id if good else "")
             run = self.runs.get(run_id)
             timeout = (run.hang_timeout if run is not None and run.hang_timeout else None) or self.config.hang_timeout
-        return wire.NodeReply(commands=commands, ranks=ranks,
+        return wire.NodeReply(commands=commands, ranks=ranks, verdicts=node_reply.verdicts,
                               interval=node_report_interval(world, timeout or self.config.adaptive_floor),
                               step_stride=record_stride(world, run.typical_step_s if run is not None else None))
 
@@ -630,8 +632,7 @@ class Collector:
             if key not in rt.first_detected:
                 rt.first_detected[key] = v.detected_at
                 # One line as it happens; the full summary is printed once, in the final report.
-                log.warning("run %s: %s on %s at step %s (details in the report)",
-                            run.run_id, v.kind, ranks_text(v.ranks), v.step)
+                log.warning("%s", announcement(run.run_id, v))
                 for callback in self.on_verdict:
                     try:
                         callback(run.run_id, v)
@@ -743,6 +744,15 @@ def _still_announced(announced: dict[tuple[str, str], wire.Verdict], found: list
                 covered.add((str(c.get("kind")), ",".join(map(str, c.get("ranks") or []))))
     kept = [v for key, v in announced.items() if key not in covered]
     return sorted(kept, key=lambda v: v.first_seen_at)
+
+
+MAX_ANNOUNCED = 8  # verdict lines a node's reply carries (the newest)
+
+
+def announcement(run_id: str, v: wire.Verdict) -> str:
+    """The one line that says a verdict as it happens (the full summary is
+    printed once, in the final report)."""
+    return f"run {run_id}: {v.kind} on {ranks_text(v.ranks)} at step {v.step} (details in the report)"[:256]
 
 
 def node_report_interval(world_size: int, hang_timeout: float = 20.0) -> Optional[float]:

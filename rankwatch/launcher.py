@@ -145,6 +145,62 @@ def _bootstrap_entrypoint():
         torch_run.config_from_args = original
 
 
+HUNG_STOP_GRACE_S = 5  # seconds a hung job's workers get after Ctrl-C before SIGKILL
+
+
+@contextlib.contextmanager
+def _interrupt_handling(hung):
+    """Ctrl-C while rankwatch watches: say what happens next.
+
+    torchrun sends the workers SIGINT and waits 30 s before SIGKILL. Workers
+    stuck in a C call (a collective that will never complete) ignore SIGINT,
+    so a user who pressed Ctrl-C on a hung job (``--on-hang wait``) would
+    stare at a silent terminal. When rankwatch has diagnosed a hang, the
+    wait is HUNG_STOP_GRACE_S; otherwise torchrun's own wait stands (a
+    worker may be saving a checkpoint on KeyboardInterrupt). Either way one
+    line says what is happening, and a second Ctrl-C kills the workers at
+    once."""
+    from torch.distributed.elastic.multiprocessing import api as mp_api
+
+    original = mp_api.PContext.close
+
+    def close(self, death_sig=None, timeout=30):
+        if death_sig != signal.SIGINT:
+            return original(self, death_sig, timeout)
+        try:
+            stuck = bool(hung())
+        except Exception:
+            stuck = False
+        if stuck and timeout > HUNG_STOP_GRACE_S:
+            timeout = HUNG_STOP_GRACE_S
+            _say(f"Ctrl-C: the job is hung (see the verdict above); workers still running in {timeout} s "
+                 f"are killed (SIGKILL). Ctrl-C again to kill them now.")
+        else:
+            _say(f"Ctrl-C: the workers got SIGINT; torchrun kills those still running in {timeout} s "
+                 f"(SIGKILL). Ctrl-C again to kill them now.")
+        try:
+            return original(self, death_sig, timeout)
+        except (mp_api.SignalException, KeyboardInterrupt):
+            _say("second Ctrl-C: killing the workers now")
+            with contextlib.suppress(Exception):
+                original(self, signal.SIGKILL, 2)
+            raise
+
+    mp_api.PContext.close = close
+    try:
+        yield
+    finally:
+        mp_api.PContext.close = original
+
+
+def _hang_diagnosed(embedded, run_id: str) -> bool:
+    """Whether this run's (embedded) collector has diagnosed a hang."""
+    if embedded is None:
+        return False
+    run = embedded.runs.get(run_id)
+    return run is not None and any(i.kind == "hang" and i.ready for i in run.incidents)
+
+
 class _RemoteCollector:
     """The launcher's client of a standalone collector: kept-alive
     connections, the bearer token, never a redirect (the agent's transport)."""
@@ -227,7 +283,7 @@ def run(argv: list[str]) -> int:
                                 node_rank=node_rank,
                                 world_size=0, on_hang=cfg.on_hang, hang_timeout=cfg.hang_timeout,
                                 host=os.environ.get("RANKWATCH_HOST") or socket.gethostname(),
-                                expected_workers=_local_world_size(args))
+                                expected_workers=_local_world_size(args), announce=embedded is None)
     supervisor.start()
     _say(f"run {run_id}: collector {collector_url}{' (embedded)' if embedded else ''}, run dir {run_dir}"
          + (f", metrics {collector_url}/metrics" if embedded else ""))
@@ -240,7 +296,7 @@ def run(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
-        with _bootstrap_entrypoint():
+        with _bootstrap_entrypoint(), _interrupt_handling(lambda: _hang_diagnosed(embedded, run_id)):
             torch_run.run(args)
     except ChildFailedError as exc:
         exit_code = 1

@@ -137,6 +137,7 @@ class Relay:
         self._node_sent_dead: set[int] = set()
         self._rank_commands: dict[int, list[dict[str, Any]]] = {}
         self._node_commands: list[dict[str, Any]] = []
+        self._verdicts: list[str] = []  # the collector's verdict lines, for the launcher to print
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._send_lock = threading.Lock()
@@ -199,10 +200,11 @@ class Relay:
         with self._lock:
             self._node = node
             commands, self._node_commands = self._node_commands, []
+            verdicts = list(self._verdicts)
             news = bool(dead - self._node_sent_dead) or node.get("finished")
         if news:
             self._wake.set()
-        return {"commands": commands, "version": wire.WIRE_VERSION}
+        return {"commands": commands, "version": wire.WIRE_VERSION, "verdicts": verdicts}
 
     # -- to the collector ---------------------------------------------------------------------
     def _loop(self) -> None:
@@ -256,6 +258,7 @@ class Relay:
             return
         with self._lock:
             self._node_commands.extend(wire.to_dict(c) for c in reply.commands)
+            self._verdicts = list(reply.verdicts)
             for rank, commands in reply.ranks.items():
                 try:
                     key = int(rank)

@@ -18,6 +18,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ FAULTHANDLER_SIGNAL = signal.SIGUSR2
 PYSPY_TIMEOUT = 8.0
 SPOOL_RETRY_S = 5.0
 MAX_CAPTURES = 1000  # incidents one launcher captures stacks for (a collector cannot make it spawn without end)
+MAX_ANNOUNCED_LINES = 8  # verdict lines printed per reply at most
+MAX_ANNOUNCED_KEPT = 1000  # distinct verdict lines printed per run at most (a lying collector)
 
 
 @dataclass
@@ -97,8 +100,13 @@ def _environ(pid: int) -> dict[str, str]:
 class NodeSupervisor:
     def __init__(self, run_id: str, run_dir: Path, post: Callable[[str, bytes, str], Any],
                  node_rank: int, world_size: int, on_hang: str, hang_timeout: Optional[float],
-                 host: Optional[str] = None, interval: float = 0.5, expected_workers: int = 0):
+                 host: Optional[str] = None, interval: float = 0.5, expected_workers: int = 0,
+                 announce: bool = False):
         self.run_id = run_id
+        # Behind a standalone collector: print the verdict lines its replies
+        # carry, once each (the embedded collector logs them in this process).
+        self.announce = announce
+        self._announced: set[str] = set()
         self.run_dir = run_dir
         self.post = post  # (path, body, content type) -> decoded JSON reply; raises on failure
         self.node_rank = node_rank
@@ -200,11 +208,19 @@ class NodeSupervisor:
         except Exception:
             return  # the collector may be down (or answers garbage): the launcher still writes a report
         self._resend_spool()  # the collector answers: what could not be sent before goes now
+        if self.announce:
+            self._announce(reply.verdicts)
         for command in reply.commands:
             try:
                 self._command(command, finished)
             except Exception as exc:  # a bad command never reaches the launcher
                 _log(f"ignoring a command the supervisor cannot follow ({type(exc).__name__}: {exc})")
+
+    def _announce(self, lines: list[str]) -> None:
+        for line in lines[-MAX_ANNOUNCED_LINES:]:
+            if line not in self._announced and len(self._announced) < MAX_ANNOUNCED_KEPT:
+                self._announced.add(line)
+                print(redact_text(line), file=sys.stderr, flush=True)  # validated: one line, no control characters
 
     def _command(self, command: wire.Command, finished: bool) -> None:
         if command.kind == "capture":

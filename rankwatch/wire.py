@@ -195,6 +195,10 @@ class Command:
 class Reply:
     commands: list[Command] = field(default_factory=list)
     version: int = WIRE_VERSION
+    # One line per verdict the collector has issued for the run (newest
+    # MAX_ANNOUNCED): a launcher behind a standalone collector prints them as
+    # they happen, like the embedded collector's log line.
+    verdicts: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -204,6 +208,7 @@ class NodeReply:
     commands: list[Command] = field(default_factory=list)
     ranks: dict[str, list[Command]] = field(default_factory=dict)  # str(rank) -> commands
     version: int = WIRE_VERSION
+    verdicts: list[str] = field(default_factory=list)  # as Reply.verdicts
     # Seconds between the node's reports the collector asks for (slower at scale).
     interval: Optional[float] = None
     # Step records the relay forwards at scale: every `step_stride`-th step of
@@ -670,6 +675,7 @@ _RULES: dict[str, Any] = {
     "BundleManifest.node_rank": _rank, "BundleManifest.attempt": _count,
     "Verdict.ranks": _each(_rank), "Report.world_size": _int_range(0, MAX_WORLD_SIZE),
     "NodeReply.step_stride": _int_range(1, 1024),
+    "Reply.verdicts": _each(_short_text), "NodeReply.verdicts": _each(_short_text),
 }
 
 # Float fields whose non-finite values are the signal (a NaN loss): kept.

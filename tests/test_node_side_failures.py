@@ -75,35 +75,57 @@ def test_a_full_run_dir_keeps_a_good_jobs_exit_status_and_says_where_the_report_
     assert not (run_dir / "report.json.tmp").exists()
 
 
-def test_a_full_run_dir_with_a_standalone_collector_keeps_the_jobs_exit_status(tmp_path, full_disk):
+@pytest.fixture
+def standalone_collector(tmp_path):
+    """A real `rankwatch collector serve` on 127.0.0.1: (url, token)."""
+    import urllib.request
+
     from conftest import free_port, wait_until
 
     port = free_port()
     token = "node-side-test-token-0123456789"
     server = subprocess.Popen([sys.executable, "-m", "rankwatch.cli", "collector", "serve", "--host", "127.0.0.1",
                                "--port", str(port), "--data-dir", str(tmp_path / "collector"), "--token", token],
-                              env=worker_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                              env=worker_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def healthy():
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as r:
+                return r.status == 200
+        except OSError:
+            return server.poll() is not None
+
     try:
-        import urllib.request
-
-        def healthy():
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as r:
-                    return r.status == 200
-            except OSError:
-                return False
-
         wait_until(healthy, 30, what="the collector")
-        run_dir = full_disk / "run"
-        done = _run(tmp_path, run_dir, ["--collector", f"http://127.0.0.1:{port}", "--nproc-per-node", "2",
-                                        str(TRAIN), "--steps", "12"], env={"RANKWATCH_TOKEN": token})
-        assert done.returncode == 0, done.stderr[-4000:]
-        assert "Traceback" not in done.stderr, done.stderr[-4000:]
-        report = _fallback_report(done.stderr, run_dir)
-        assert report["status"] == "healthy"
+        assert server.poll() is None, "the collector did not start"
+        yield f"http://127.0.0.1:{port}", token
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_a_full_run_dir_with_a_standalone_collector_keeps_the_jobs_exit_status(tmp_path, full_disk,
+                                                                                standalone_collector):
+    url, token = standalone_collector
+    run_dir = full_disk / "run"
+    done = _run(tmp_path, run_dir, ["--collector", url, "--nproc-per-node", "2", str(TRAIN), "--steps", "12"],
+                env={"RANKWATCH_TOKEN": token})
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "Traceback" not in done.stderr, done.stderr[-4000:]
+    report = _fallback_report(done.stderr, run_dir)
+    assert report["status"] == "healthy"
+
+
+def test_the_launcher_prints_a_standalone_collectors_verdict_as_it_happens(tmp_path, standalone_collector):
+    url, token = standalone_collector
+    run_dir = tmp_path / "run"
+    done = _run(tmp_path, run_dir, ["--collector", url, "--nproc-per-node", "3", str(TRAIN), "--steps", "30",
+                                    "--fault", "nan", "--fault-rank", "1", "--fault-step", "6"],
+                env={"RANKWATCH_TOKEN": token})
+    lines = [l for l in done.stderr.splitlines() if ": nonfinite on rank 1 at step 6 (details in the report)" in l]
+    assert len(lines) == 1, done.stderr[-4000:]
+    summary = done.stderr.index("rankwatch: run ")
+    assert done.stderr.index(lines[0]) < summary  # live, before the final summary
 
 
 # -- a collector that answers garbage -----------------------------------------------------------
