@@ -22,6 +22,9 @@ def rank_shaped(op: str) -> bool:
     return "to_all" in op or "alltoall" in op or op in ("scatter", "_scatter_base")
 
 
+MAX_WORKER_PROCESSES = 16  # a rank's DataLoader workers whose stacks are kept
+
+
 @dataclass
 class CollectiveEntry:
     pg: str
@@ -69,6 +72,8 @@ class RankEvidence:
     events: list[dict[str, Any]] = field(default_factory=list)
     native_stacks: str = ""
     faulthandler: str = ""
+    # The rank's DataLoader worker processes: [{"pid": ..., "threads": [...]}]
+    worker_stacks: list[dict[str, Any]] = field(default_factory=list)
     memory: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     bundle_path: Optional[str] = None
@@ -114,6 +119,9 @@ def from_bundle(bundle: Bundle) -> RankEvidence:
     if isinstance(prof, dict):
         ev.profile = prof
     ev.native_stacks = bundle.text_members.get("native_stacks.txt", "")
+    workers = bundle.get("worker_stacks.json")
+    if isinstance(workers, list):
+        ev.worker_stacks = [w for w in workers if isinstance(w, dict)][:MAX_WORKER_PROCESSES]
     ev.faulthandler = bundle.text_members.get("faulthandler.txt", "")
     calls = []
     collectives = bundle.get("collectives.json") or {}

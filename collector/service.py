@@ -847,11 +847,16 @@ def merge_bundle(run: RunState, bundle: Bundle) -> None:
     for mark in ev.marks:
         if isinstance(mark.get("step"), int) and isinstance(mark.get("seqs"), dict):
             state.marks.setdefault(mark["step"], mark["seqs"])
+    phase = ev.progress.get("phase")
+    phase = phase if isinstance(phase, str) and wire.valid_token(phase) else None
     if m.step is not None and m.step > state.step:
         state.step = m.step
-        phase = ev.progress.get("phase") if ev.source == "supervisor" else None
-        if isinstance(phase, str) and phase:
+        if phase and ev.source == "supervisor":
             state.phase = phase
+    if phase and state.phase == "startup":
+        # No heartbeat said where the rank was (an offline analysis of bundles
+        # alone): the bundle's own progress does, as the live report had it.
+        state.phase = phase
     # Now in the rank's state: the evidence keeps no second copy (memory at scale).
     ev.steps, ev.marks, ev.events = [], [], []
 
@@ -863,6 +868,7 @@ def merge_evidence(a: RankEvidence, b: RankEvidence) -> RankEvidence:
     merged = inside
     if outside is not inside:
         merged.native_stacks = merged.native_stacks or outside.native_stacks
+        merged.worker_stacks = merged.worker_stacks or outside.worker_stacks
         merged.faulthandler = merged.faulthandler or outside.faulthandler
         if not merged.stacks:
             merged.stacks = outside.stacks

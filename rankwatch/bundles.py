@@ -13,6 +13,7 @@ for one incident:
     env.json               environment, secrets redacted
     memory.json            host RSS, device memory stats and summary
     native_stacks.txt      py-spy dump (supervisor, from outside)
+    worker_stacks.json     the rank's DataLoader worker processes' stacks (supervisor, py-spy)
     faulthandler.txt       faulthandler output (supervisor, from outside)
     memory_snapshot.pickle CUDA memory snapshot for pytorch.org/memory_viz (opaque:
                            never unpickled by rankwatch, see memory_snapshot.json)
@@ -560,6 +561,7 @@ _OPERATION = obj(name=STR, self_ms=opt(NUM), total_ms=opt(NUM), calls=opt(INT))
 
 SCHEMAS: dict[str, Schema] = {
     "stacks.json": _THREADS,
+    "worker_stacks.json": lst(obj(pid=INT, threads=_THREADS)),
     "exception.json": obj(type=opt(STR), message=opt(STR), traceback=opt(STR), frames=opt(_FRAMES),
                           unused_parameters=opt(lst(STR))),
     "metrics.json": obj(progress=opt(_PROGRESS), steps=opt(lst(wire_record(wire.StepRecord))), marks=opt(lst(_MARK)),

@@ -360,6 +360,13 @@ class NodeSupervisor:
         for t in threads:
             t.join(PYSPY_TIMEOUT + 2)
 
+    def _worker_process_stacks(self, pid: int) -> list[dict[str, Any]]:
+        try:
+            return _worker_process_stacks_of(self._pyspy, pid) if self._pyspy else []
+        except Exception as exc:  # evidence is best effort; the capture goes on
+            _log(f"DataLoader worker stacks not captured ({type(exc).__name__}: {exc})")
+            return []
+
     def _capture_one(self, worker: Worker, command: wire.Command, stale: bool) -> None:
         members: dict[str, Any] = {}
         notes = []
@@ -371,6 +378,9 @@ class NodeSupervisor:
                 members["native_stacks.txt"] = native
             if note:
                 notes.append(note)
+            workers = self._worker_process_stacks(worker.pid)
+            if workers:
+                members["worker_stacks.json"] = workers
         else:
             notes.append("py-spy not installed: no stacks from outside (pip install 'rankwatch[stacks]')")
         if stale:
@@ -385,6 +395,22 @@ class NodeSupervisor:
             if text:
                 members["faulthandler.txt"] = text
         self._send_bundle(worker, command.incident, command.reason or "capture", members, notes)
+
+
+MAX_WORKER_PROCESSES = 8  # a rank's child processes (DataLoader workers) dumped per capture
+
+
+def _worker_process_stacks_of(pyspy: str, pid: int) -> list[dict[str, Any]]:
+    """The Python stacks of a rank's child processes (its DataLoader workers):
+    a rank stuck in `next(loader)` waits for a worker, and the worker's stack
+    has the line that is stuck (a read in `__getitem__`). Non-Python children
+    are skipped (py-spy refuses them)."""
+    out = []
+    for child in sorted(_children(pid))[:MAX_WORKER_PROCESSES]:
+        stacks, _native, _note = pyspy_dump(pyspy, child)
+        if stacks:
+            out.append({"pid": child, "threads": stacks})
+    return out
 
 
 def pyspy_dump(pyspy: str, pid: int, native: bool = False) -> tuple[Optional[list], str, str]:

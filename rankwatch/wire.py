@@ -351,6 +351,11 @@ def valid_id(value: Any) -> bool:
     return isinstance(value, str) and bool(ID_PATTERN.match(value))
 
 
+def valid_token(value: Any) -> bool:
+    """A short identifier-like text (kinds, phases, reasons): no spaces, no control characters."""
+    return isinstance(value, str) and bool(_TOKEN.match(value))
+
+
 def check_id(value: str, what: str = "id") -> str:
     if not valid_id(value):
         raise WireError(f"invalid {what} {value!r:.80} (letters, digits, '_', '-', '.', "

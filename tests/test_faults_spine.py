@@ -49,6 +49,21 @@ def test_hang_inside_a_dataloader_worker(tmp_path, train_script):
     assert hang["ranks"] == [1]
     assert hang["step"] == 4
     assert "DataLoader" in hang["summary"]
+    import shutil
+
+    if shutil.which("py-spy"):  # the worker's own stack comes from outside (the stacks extra)
+        assert "in Synthetic.__getitem__ (time.sleep(3600)" in hang["summary"], hang["summary"]
+        assert "__getitem__" in str(hang["evidence"]["dataloader_worker"]["stack"])
+    # One bundle archive, analysed alone, reads as the live report did.
+    import subprocess
+    import sys
+
+    bundle = next(job.run_dir.glob("bundles/hang-*/rank-00001.tar.gz"))
+    alone = subprocess.run([sys.executable, "-m", "rankwatch.cli", "analyze", str(bundle), "--json"],
+                           capture_output=True, text=True, timeout=60)
+    verdict = __import__("json").loads(alone.stdout)["verdicts"][0]
+    assert verdict["evidence"]["ranks"]["1"]["phase"] == hang["evidence"]["ranks"]["1"]["phase"] == "data"
+    assert verdict["summary"].startswith("Rank 1 stopped making progress,"), verdict["summary"]
 
 
 def test_hang_in_a_different_model_with_accumulation(tmp_path):

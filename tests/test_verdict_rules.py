@@ -447,3 +447,39 @@ def test_a_peers_own_error_after_a_clean_exit_is_still_its_crash():
     from rankwatch.collector.analyses import run_all
 
     assert [(v.kind, v.ranks) for v in run_all(run, T + 10, True)] == [("crash", [2])]
+
+
+def _uniform_hang(ranks: int, exit_codes: dict[int, int] | None = None) -> tuple[RunState, Incident]:
+    """Every rank stalls at the same place: no rank stands out."""
+    run = RunState(run_id="r", world_size=ranks)
+    incident = Incident(id="hang-1", kind="hang", opened_at=T + 20, last_progress_at=T, ready=True,
+                        details={"diagnosed_at": T + 22})
+    run.incidents.append(incident)
+    frames = [{"file": "/x/train.py", "line": 30, "name": "main", "code": "loss.backward()"}]
+    for r in range(ranks):
+        state = run.rank(r)
+        state.step, state.phase = 6, "forward"
+        state.last_heartbeat_at = T + 19.5
+        state.evidence["hang-1"] = RankEvidence(rank=r, reason="hang", created_at=T + 21, source="agent",
+                                                stacks=[{"main": True, "frames": frames}], pg_enqueued={"0": 40})
+    for r, code in (exit_codes or {}).items():
+        run.ranks[r].exit_code, run.ranks[r].exited_at = code, T + 60  # torn down after the hang
+    return run, incident
+
+
+def test_a_hang_where_no_rank_stands_out_reads_as_a_sentence():
+    run, incident = _uniform_hang(4)
+    v = hang.diagnose(run, incident)
+    assert v.summary.startswith("Ranks 0, 1, 2, 3 all stopped making progress and no rank stands out"), v.summary
+    assert "every rank" not in v.summary
+    one, incident = _uniform_hang(1)
+    v = hang.diagnose(one, incident)
+    assert v.summary.startswith("Rank 0 stopped making progress, and no other rank's evidence"), v.summary
+
+
+def test_hang_evidence_says_exited_when_it_gives_an_exit_code():
+    run, incident = _uniform_hang(3, exit_codes={0: -15, 1: -15, 2: -15})
+    v = hang.diagnose(run, incident)
+    for rank, figures in v.evidence["ranks"].items():
+        assert figures["exit_code"] == -15
+        assert figures["exited"] is True and figures["exited_before_hang"] is False, figures

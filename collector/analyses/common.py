@@ -130,6 +130,26 @@ def in_dataloader(frames: list[dict[str, Any]]) -> bool:
                for f in frames[-15:])
 
 
+def dataloader_worker_frame(workers: list[dict[str, Any]]) -> Optional[tuple[int, list[dict[str, Any]]]]:
+    """(pid, frames) of the DataLoader worker busy in the user's code: the
+    frames below torch's `_worker_loop` whose innermost user frame is the
+    stuck line (a read in `__getitem__`, a transform). Idle workers, waiting
+    for an index in the worker loop itself, have no user frame there."""
+    for worker in workers:
+        for thread in worker.get("threads") or []:
+            if not thread.get("main"):
+                continue
+            frames = thread.get("frames") or []
+            loop = next((i for i, f in enumerate(frames) if f.get("name") == "_worker_loop"
+                         and "torch/utils/data/" in str(f.get("file", "")).replace(os.sep, "/")), None)
+            if loop is None:
+                continue
+            below = frames[loop + 1:]
+            if user_frame(below) is not None:
+                return int(worker.get("pid") or 0), below
+    return None
+
+
 def _short(path: str) -> str:
     parts = path.replace(os.sep, "/").split("/")
     if "torch" in parts:

@@ -33,7 +33,7 @@ from rankwatch import wire
 
 from ..evidence import RankEvidence, fill_source
 from ..state import Incident, RunState
-from .common import in_dataloader, iso, located, ranks_text, verb, verdict, waits_in_collective, where
+from .common import dataloader_worker_frame, in_dataloader, iso, located, ranks_text, verb, verdict, waits_in_collective, where
 
 
 def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
@@ -155,7 +155,11 @@ def _diagnose(run: RunState, incident: Incident, evidence: dict[int, RankEvidenc
         culprits, reason = _stack_outliers(live, evidence)
     if not culprits:
         culprits = live or ranks
-        reason = "every rank stopped making progress and no rank stands out (a stuck collective or a shared dependency)"
+        if len(culprits) == 1:
+            reason = ("stopped making progress, and no other rank's evidence is here to tell it from its peers "
+                      "(a stuck collective or a shared dependency?)")
+        else:
+            reason = "all stopped making progress and no rank stands out (a stuck collective or a shared dependency)"
 
     # Each rank's figures: every rank on a small job; on a big one the
     # culprits, the ranks asked for evidence, those that exited and the first
@@ -173,9 +177,12 @@ def _diagnose(run: RunState, incident: Incident, evidence: dict[int, RankEvidenc
             "step": state.step,
             "phase": state.phase,
             "collective_seq": seqs[r],
-            "exited": r in exited_set,
+            # exited: the rank's process has ended (maybe only when the job was
+            # torn down); exited_before_hang: it had ended when the others stalled.
+            "exited": state.exit_code is not None,
+            "exited_before_hang": r in exited_set,
             "exit_code": state.exit_code,
-            "exited_at": state.exited_at if r in exited_set else None,
+            "exited_at": state.exited_at,
             "where": where(stack) if stack else None,
             "waiting_in_collective": waits_in_collective(stack) if stack else None,
             "bundle": ev.bundle_path if ev else None,
@@ -195,6 +202,10 @@ def _diagnose(run: RunState, incident: Incident, evidence: dict[int, RankEvidenc
         location = where(stack)
         if in_dataloader(stack):
             summary += f"; its main thread waits for a DataLoader worker at {location}"
+            busy = dataloader_worker_frame(ev.worker_stacks) if ev else None
+            if busy is not None:
+                summary += f", and that worker (pid {busy[0]}) is at {where(busy[1])}"
+                details["dataloader_worker"] = {"pid": busy[0], "stack": busy[1][-12:]}
         else:
             summary += f"; its main thread is at {location}"
     if ev and ev.native_stacks:
@@ -466,7 +477,8 @@ def left_the_loop(run: RunState, now: float) -> Optional[wire.Verdict]:
                f"sys.exit on one rank).")
     details: dict[str, Any] = {
         "reason": "left the training loop and exited cleanly while peers were in a collective with it",
-        "ranks": {str(r): {"exited": r in culprits, "exit_code": run.ranks[r].exit_code,
+        "ranks": {str(r): {"exited": run.ranks[r].exit_code is not None, "left_the_loop": r in culprits,
+                           "exit_code": run.ranks[r].exit_code,
                            "exited_at": run.ranks[r].exited_at, "step": run.ranks[r].step,
                            "phase": run.ranks[r].phase} for r in _listed(run, culprits + victim_ranks)},
         "hosts": {str(r): run.ranks[r].host for r in culprits},
