@@ -14,6 +14,9 @@ def test_nan_in_one_ranks_batch_names_origin_step_and_parameter(tmp_path, train_
     assert nonfinite["step"] == 6
     assert nonfinite["evidence"]["parameters"][0] == "0.weight"
     assert "0.weight" in nonfinite["summary"]
+    # The NaN is in rank 3's input batch: its loss was already NaN in the forward.
+    assert nonfinite["evidence"]["loss_nonfinite_in_forward"] == [3]
+    assert "already non-finite in the forward" in nonfinite["summary"] and "batch" in nonfinite["summary"]
     assert len(job.verdicts()) == 1
     # The origin rank was switched to autograd anomaly mode, and only it.
     assert (job.run_dir / "report.json").exists()
@@ -129,3 +132,30 @@ def test_always_zero_gradient_is_noted_without_a_false_verdict(tmp_path):
     assert job.exit_code == 0, job.output[-2000:]
     assert job.report["verdicts"] == []
     assert any("always had an exactly zero gradient" in n and "gate" in n for n in job.report["notes"])
+
+
+def test_nan_only_in_one_ranks_gradients_is_not_blamed_on_its_batch(tmp_path):
+    """A backward that makes NaN from a finite loss (a bad custom op, a
+    gradient hook): the loss was finite, so the summary does not send the
+    user to the input batch."""
+    script = ddp_script(tmp_path, "grad_nan.py", """
+        torch.manual_seed(0)
+        model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        state = {"step": 0}
+        def poison(grad):
+            if dist.get_rank() == 1 and state["step"] == 5:
+                return grad * float("nan")
+            return grad
+        model.module[2].weight.register_hook(poison)
+        for step in range(12):
+            state["step"] = step
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(torch.randn(4, 8)), torch.randn(4, 1)).backward()
+            opt.step()
+        """)
+    job = run_job(tmp_path, ["--nproc-per-node", "3", str(script)])
+    nonfinite = job.only("nonfinite")
+    assert (nonfinite["ranks"], nonfinite["step"]) == ([1], 5)
+    assert nonfinite["evidence"]["loss_nonfinite_in_forward"] == []
+    assert "in the forward" not in nonfinite["summary"]

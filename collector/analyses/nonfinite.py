@@ -38,6 +38,9 @@ class Tracker:
         self.bad: dict[int, dict[int, tuple[int, dict[str, Any]]]] = {}
         self.skips: dict[int, _Skips] = {}
         self.repeated: set[int] = set()  # ranks with REPEATED_SKIPS in a row, at some point
+        # step -> ranks whose loss itself was not finite (the earliest steps):
+        # the forward already made it, so the input batch or the forward is the cause.
+        self.bad_loss: dict[int, set[int]] = {}
 
     def _note(self, step: int, rank: int, priority: int, details: dict[str, Any]) -> None:
         at_step = self.bad.get(step)
@@ -54,6 +57,10 @@ class Tracker:
 
     def on_record(self, run: RunState, rank: int, record: wire.StepRecord) -> None:
         bad_loss = record.loss is not None and not math.isfinite(record.loss)
+        if bad_loss:
+            self.bad_loss.setdefault(record.step, set()).add(rank)
+            if len(self.bad_loss) > KEPT_STEPS:
+                del self.bad_loss[max(self.bad_loss)]
         if record.nonfinite_grads or bad_loss:
             self._note(record.step, rank, 0, {
                 "at": record.ended_at, "source": "local_gradients" if record.nonfinite_grads else "loss",
@@ -92,7 +99,8 @@ def _bad_steps(run: RunState) -> dict[int, dict[int, dict[str, Any]]]:
 def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
     settle(run, final)
     found = []
-    bad = {step: {r: d for r, (_, d) in per.items()} for step, per in tracker(run, "nonfinite").bad.items()}
+    state = tracker(run, "nonfinite")
+    bad = {step: {r: d for r, (_, d) in per.items()} for step, per in state.bad.items()}
     if bad:
         step = min(bad)
         origin = bad[step]
@@ -101,7 +109,12 @@ def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
         params = origin[rank].get("parameters") or []
         source = origin[rank].get("source", "local_gradients")
         what = "local gradients" if source == "local_gradients" else "loss"
+        forward = sorted(state.bad_loss.get(step, set()) & set(origin))
         summary = f"{ranks_text(origin).capitalize()} produced non-finite {what} at step {step}, before the allreduce"
+        if forward:
+            summary += (f"; the loss of {ranks_text(forward)} was already non-finite in the forward, so the NaN/Inf "
+                        f"came from that rank's input batch or its forward pass, not the backward: look at its "
+                        f"batch at that step")
         if len(origin) == len(run.ranks) > 1:
             summary += " (every rank at once: a common cause, such as weights already blown up by an earlier update)"
         if params:
@@ -116,6 +129,7 @@ def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
             "origin": {str(r): d for r, d in sorted(origin.items())},
             "parameters": params,
             "source": source,
+            "loss_nonfinite_in_forward": forward,
             "contaminated_from_step": later[0] if later else None,
         }
         found.append(verdict("nonfinite", origin, step, first, now, summary, evidence))
