@@ -22,7 +22,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from .patching import Patches, argument, binding_error
 from .safety import guarded
@@ -72,6 +72,9 @@ class CollectiveTracker:
         self._torch_dir: Optional[str] = None
         self._local = threading.local()
         self.blackbox = None  # set by the agent: in-flight calls survive a fatal abort
+        # Told of each finished call's window (seconds): the step's own data
+        # and compute time exclude the waits in collectives (agent/progress.py).
+        self.on_call_done: Optional[Callable[[float, float], None]] = None
 
     # -- Flight Recorder -------------------------------------------------------
     @guarded("collectives.pg_status", default={})
@@ -175,6 +178,8 @@ class CollectiveTracker:
         if call is None:
             return
         call["ended_ns"] = time.time_ns()
+        if started and self.on_call_done is not None:
+            self.on_call_done(call["started_ns"] / 1e9, call["ended_ns"] / 1e9)
         if not started:  # a call with wrong arguments is no collective
             try:
                 self.calls.remove(call)

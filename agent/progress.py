@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import math
+import threading
 import time
 import weakref
 from typing import Any, Callable, Optional
@@ -50,6 +51,13 @@ class Progress:
         self._first_forward_at: Optional[float] = None
         self._backward_started_at: Optional[float] = None
         self._backward_done_at: Optional[float] = None
+        # Time the training thread spent inside Python-API collectives this
+        # step (waiting for its peers there is not its own data or compute
+        # time: a rank that waits for a slow peer in a per-step broadcast
+        # before its forward would look slow "in data loading").
+        self._training_thread: Optional[int] = None
+        self._wait_before_forward = 0.0
+        self._wait_before_backward_done = 0.0
         self._forwards_in_step = 0
         self._loss: Any = None
         self._observed_loss: Optional[float] = None
@@ -163,6 +171,19 @@ class Progress:
             return
         self._others.add(key)
 
+    def note_collective_wait(self, started: float, ended: float) -> None:
+        """A Python-API collective the training thread was inside, from
+        ``started`` to ``ended`` (the collective tracker's call window)."""
+        if self._training_thread is None or threading.get_ident() != self._training_thread:
+            return
+        waited = ended - max(started, self._step_started_at)
+        if waited <= 0:
+            return
+        if self._first_forward_at is None:
+            self._wait_before_forward += waited
+        if self._backward_done_at is None:
+            self._wait_before_backward_done += waited
+
     def _end_step(self, now: float) -> None:
         started = self._step_started_at
         first_fwd = self._first_forward_at
@@ -173,9 +194,9 @@ class Progress:
             forwards=self._forwards_in_step,
         )
         if first_fwd is not None:
-            record.data_s = max(0.0, first_fwd - started)
+            record.data_s = max(0.0, first_fwd - started - self._wait_before_forward)
             if self._backward_done_at is not None and self._backward_done_at >= first_fwd:
-                record.compute_s = self._backward_done_at - started
+                record.compute_s = max(0.0, self._backward_done_at - started - self._wait_before_backward_done)
         record.loss = self._read_loss()
         if record.loss is not None and math.isfinite(record.loss):
             self.loss_history.append(abs(record.loss))
@@ -197,6 +218,8 @@ class Progress:
         self._first_forward_at = None
         self._backward_started_at = None
         self._backward_done_at = None
+        self._wait_before_forward = self._wait_before_backward_done = 0.0
+        self._training_thread = threading.get_ident()  # the thread that steps the optimizer
         self._forwards_in_step = 0
         self._loss = None
         self._observed_loss = None

@@ -114,6 +114,7 @@ class Agent:
         global _current
         _current = self
         self.progress.read_collective_seqs = self.collectives.enqueued_seqs
+        self.collectives.on_call_done = self.progress.note_collective_wait
         self._install_blackbox()
         self._install_parts()
         self._install_faulthandler()

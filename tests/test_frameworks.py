@@ -170,3 +170,46 @@ def test_fault_on_one_rank_names_kind_rank_and_step(tmp_path, name, kind, rank, 
     print(f"{name} {kind}: {verdict['kind']} ranks={verdict['ranks']} step={verdict['step']} "
           f"verdict after {_seconds(verdict['detected_at']) - _seconds(verdict['first_seen_at']):.1f}s, "
           f"job {job.elapsed:.1f}s (started {started:.0f})")
+
+
+# Faults injected from outside the training code, through torch's global
+# optimizer step hook (tests/frameworks/faults.py): (framework, kind, rank, step,
+# the verdict expected).
+HOOKED_FAULTS = [
+    # torchrun SIGTERMs the survivor; Lightning's SIGTERM handling then
+    # broadcasts to the dead peer: the kill is the verdict, not a mismatch.
+    ("lightning", "sigkill", 1, 4, "crash"),
+    # One replica's weights drift right after an optimizer step taken through
+    # Lightning's closure and LightningOptimizer, or Fabric's wrapper.
+    ("lightning", "perturb", 1, 3, "weight_divergence"),
+    ("fabric", "perturb", 1, 3, "weight_divergence"),
+]
+
+
+@pytest.mark.parametrize("name,kind,rank,step,expected", HOOKED_FAULTS,
+                         ids=[f"{f}-{k}" for f, k, _, _, _ in HOOKED_FAULTS])
+def test_fault_from_an_optimizer_hook_names_its_rank(tmp_path, name, kind, rank, step, expected):
+    framework = FRAMEWORKS[name]
+    if kind == "perturb":
+        # Fingerprints every 10 steps: two of them (steps 9 and 19), so the
+        # first goes out in a periodic heartbeat, not only in the one at exit.
+        framework = Framework(framework.script, 24, framework.needs_text, framework.env)
+    job = _watched(tmp_path, framework, fault={"kind": kind, "rank": rank, "step": step})
+    verdict = job.only(expected)
+    assert verdict["ranks"] == [rank], job.report
+    assert verdict["step"] >= step
+    assert len(job.verdicts()) == 1, f"one fault, one verdict: {json.dumps(job.verdicts(), indent=1)[:3000]}"
+    if kind == "sigkill":
+        assert job.exit_code != 0 and "SIGKILL" in verdict["summary"]
+        assert [c["kind"] for c in verdict["evidence"].get("consequences", [])] in ([], ["crash"])
+    else:
+        assert job.exit_code == 0, "a silent error is reported, the job's outcome is its own"
+
+
+def test_lightning_leak_is_one_memory_growth_verdict(tmp_path):
+    framework = Framework("lightning_trainer.py", 150)
+    job = _watched(tmp_path, framework, fault={"kind": "leak", "rank": 1, "step": 5})
+    assert job.exit_code == 0, job.output[-3000:]
+    growth = job.only("memory_growth")
+    assert growth["ranks"] == [1]
+    assert len(job.verdicts()) == 1, json.dumps(job.verdicts(), indent=1)[:3000]

@@ -104,3 +104,32 @@ def test_cuda_oom_observer_dumps_a_snapshot(tmp_path):
     x = torch.empty(1 << 20, device="cuda")
     members = snapshot_members(str(tmp_path), 0)
     assert members["memory_snapshot.json"]["summary"]["allocated_bytes"] >= x.numel() * 4
+
+
+def test_waiting_for_a_slow_peer_in_a_per_step_broadcast_is_not_the_waiters_data_time(tmp_path):
+    """Frameworks issue a small collective at every step start (Lightning
+    broadcasts its SIGTERM flag). A rank slow after its optimizer step (rank
+    1: end-of-step work) makes the others wait there, before their forward:
+    that wait is not their data loading, and they are not the straggler."""
+    from conftest import ddp_script
+
+    script = ddp_script(tmp_path, "broadcast_each_step.py", """
+        import time
+        torch.manual_seed(0)
+        model = DDP(torch.nn.Linear(32, 32))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        x = torch.randn(16, 32)
+        for step in range(60):
+            flag = torch.zeros(1)
+            dist.broadcast(flag, 0)  # every step, every rank
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+            if dist.get_rank() == 1 and step >= 5:
+                time.sleep(0.08)  # slow end-of-step work on rank 1 only
+        """)
+    job = run_job(tmp_path, ["--nproc-per-node", "3", str(script)])
+    assert job.exit_code == 0, job.output[-3000:]
+    assert all(0 not in v["ranks"] and 2 not in v["ranks"] for v in job.verdicts()), job.verdicts()
+    straggler = job.only("straggler")
+    assert straggler["ranks"] == [1]

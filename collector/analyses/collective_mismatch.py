@@ -174,6 +174,30 @@ def _dying_stack(state) -> list[dict]:
     return []
 
 
+# gloo and NCCL end a rank whose collective met a different one with SIGABRT:
+# a victim of a mismatch may die that way. Any other death of its own (a
+# SIGKILL from the OOM killer or a user, a segfault, an exception that no
+# peer caused) is a cause in its own right.
+_MISMATCH_ABORT = -6
+
+
+def _died_on_its_own(found, others: list[int]):
+    """A peer that "did not issue" the culprit's collective because it was
+    already dead of its own failure: the call was the next one every rank
+    makes (a framework's per-step broadcast, a SIGTERM handler's collective
+    during teardown), not a mismatch; the death is the verdict (crash)."""
+    from .crash import TEARDOWN_SIGNALS
+
+    for failure in found:
+        if failure.rank not in others or failure.peer_caused or failure.collective_error:
+            continue
+        if failure.kind == "signal" and failure.exit_code is not None and (
+                -failure.exit_code in TEARDOWN_SIGNALS or failure.exit_code == _MISMATCH_ABORT):
+            continue
+        return failure
+    return None
+
+
 def _in_flight(state) -> tuple[bool, Optional[tuple[str, str, int]]]:
     """(known, (op, call site, numel)) of the Python-API collective a dead
     rank was inside: from its black box, else from its last stack."""
@@ -227,6 +251,8 @@ def _from_dying_call(run: RunState, now: float) -> Optional[wire.Verdict]:
     op, site, numel = calls[culprits[0]]
     failure = next((f for f in found if f.rank == culprits[0]), None)
     others = sorted(r for site_, ranks in groups.items() if site_ != site for r in ranks)
+    if _died_on_its_own(found, others) is not None:
+        return None
     phases = sorted({run.ranks[r].phase for r in others})
     peers_now = {r: ev.collectives[-1] for r, ev in _latest_evidence(run).items() if r in others and ev.collectives}
     if peers_now:
