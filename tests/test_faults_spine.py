@@ -126,3 +126,16 @@ def test_extra_collective_two_ranks_no_majority(tmp_path, train_script):
     first = job.report["verdicts"][0]
     assert first["kind"] == "collective_mismatch"
     assert first["ranks"] == [1]
+
+
+def test_uneven_hand_made_shards_name_every_rank_that_ran_out_of_data(tmp_path):
+    """`data[rank::world]` over 350 samples, 4 ranks, batch 8, drop_last: ranks
+    2, 3 get 10 batches per epoch, ranks 0, 1 get 11."""
+    job = run_job(tmp_path, ["--nproc-per-node", "4", "--hang-timeout", "8", str(SCRIPTS / "uneven_shards.py")])
+    assert job.exit_code != 0
+    assert len(job.verdicts()) == 1, job.verdicts()
+    verdict = job.verdicts()[0]
+    assert verdict["ranks"] == [2, 3], verdict
+    assert "Ranks 2, 3 had 10 batches per epoch, ranks 0, 1 had 11" in verdict["summary"], verdict["summary"]
+    assert "DistributedSampler" in verdict["summary"] and "Join" in verdict["summary"]
+    assert {r: verdict["evidence"]["ranks"][str(r)]["batches_per_epoch"] for r in range(4)} == {0: 11, 1: 11, 2: 10, 3: 10}

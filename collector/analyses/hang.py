@@ -473,12 +473,12 @@ def left_the_loop(run: RunState, now: float) -> Optional[wire.Verdict]:
                + f" ({located(run, culprits[:1])}), while {ranks_text(victim_ranks)} "
                f"{verb(victim_ranks, 'was', 'were')} still in {where_text} with it: "
                f"{verb(victim_ranks, 'its', 'their')} failure ({'; '.join(causes[:2])}) follows from it. "
-               f"Every rank must run the same number of steps (uneven data per rank, or a break, return or "
-               f"sys.exit on one rank).")
+               + _uneven_steps_text(run, culprits, victim_ranks))
     details: dict[str, Any] = {
         "reason": "left the training loop and exited cleanly while peers were in a collective with it",
         "ranks": {str(r): {"exited": run.ranks[r].exit_code is not None, "left_the_loop": r in culprits,
                            "exit_code": run.ranks[r].exit_code,
+                           "batches_per_epoch": _batches_per_epoch(run, r),
                            "exited_at": run.ranks[r].exited_at, "step": run.ranks[r].step,
                            "phase": run.ranks[r].phase} for r in _listed(run, culprits + victim_ranks)},
         "hosts": {str(r): run.ranks[r].host for r in culprits},
@@ -488,6 +488,37 @@ def left_the_loop(run: RunState, now: float) -> Optional[wire.Verdict]:
                           "summary": v.cause[:500], "exit_code": v.exit_code} for v in victims],
     }
     return verdict("hang", culprits, step, state.exited_at, max(now, state.exited_at or now), summary, details)
+
+
+def _uneven_steps_text(run: RunState, culprits: list[int], waiting: list[int]) -> str:
+    """Say outright who ran fewer steps, and how to even them out."""
+    done = sorted({run.ranks[r].step for r in culprits})
+    ahead = sorted({run.ranks[r].step for r in waiting})
+    fix = ("Give every rank the same number of batches: shard with DistributedSampler (it pads every "
+           "rank to the same length), drop the remainder (drop_last=True, or cut the data to a multiple of "
+           "world size x batch size), or wrap the loop in torch.distributed.algorithms.Join.")
+    per_epoch = {r: _batches_per_epoch(run, r) for r in culprits + waiting}
+    few = sorted({per_epoch[r] for r in culprits})
+    many = sorted({per_epoch[r] for r in waiting})
+    if None not in few + many and len(few) == 1 and len(many) == 1 and few[0] < many[0]:
+        return (f"{ranks_text(culprits).capitalize()} had {few[0]} batches per epoch, {ranks_text(waiting)} "
+                f"had {many[0]}: the data is split unevenly between ranks. " + fix)
+    if len(done) == 1 and ahead and min(ahead) >= done[0]:
+        steps = done[0]
+        return (f"{ranks_text(culprits).capitalize()} ran out of work after {steps} optimizer steps while "
+                f"{ranks_text(waiting)} had more ({verb(waiting, 'it was', 'they were')} in step {min(ahead) + 1}): "
+                f"uneven data per rank, or a break, return or sys.exit on one rank. " + fix)
+    return ("Every rank must run the same number of steps (uneven data per rank, or a break, return or "
+            "sys.exit on one rank). " + fix)
+
+
+def _batches_per_epoch(run: RunState, rank: int) -> Optional[int]:
+    """The length of the rank's training DataLoader (its agent's last
+    `loader_epoch` event), when it has one."""
+    state = run.ranks.get(rank)
+    event = next((e for e in reversed(state.events) if e.kind == "loader_epoch"), None) if state else None
+    batches = event.details.get("batches") if event is not None else None
+    return batches if isinstance(batches, int) and not isinstance(batches, bool) and batches >= 0 else None
 
 
 def _listed(run: RunState, ranks: list[int]) -> list[int]:
