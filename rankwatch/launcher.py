@@ -394,7 +394,7 @@ def _collector_report(run_id: str, remote: Any, interrupted: bool,
         return None, f"{type(exc).__name__}: {str(exc)[:200]}"
     if report.run_id != run_id:
         return None, f"it answered with the report of another run ({report.run_id[:80]!r})"
-    failed = failed_ranks(exits)
+    failed = [] if interrupted else failed_ranks(exits)  # Ctrl-C'd workers end by SIGINT: no failure
     if failed and report.status == "healthy":
         return None, f"it called the run healthy although rank(s) {', '.join(map(str, failed))} failed"
     return report, None
@@ -429,7 +429,7 @@ def node_report(run_id: str, run_dir: Path, exits: dict[int, tuple[int, float]],
     run.finished = True
     verdicts = analyses.run_all(run, time.time(), final=True)
     report = report_mod.build(run, verdicts)
-    if failed_ranks(exits) and not report.verdicts:
+    if failed_ranks(exits) and not report.verdicts and not interrupted:
         report = exits_report(run_id, exits, world_size=report.world_size)
     report.notes.append(note)
     return report
