@@ -35,7 +35,7 @@ import torch
 
 from rankwatch.wire import StepRecord
 
-from .grad_checks import _DeferredRead
+from .grad_checks import _DeferredRead, fp32_norms
 from .safety import guarded
 
 if TYPE_CHECKING:
@@ -105,7 +105,7 @@ class Fingerprinter:
             self._submit(*self._pending, [])
             self._pending = None
         with torch.no_grad():
-            norms = list(torch._foreach_norm([t.detach() for t in self.params])) if self.params else []
+            norms = fp32_norms([t.detach() for t in self.params])
         if self.compare_buffers:
             self._pending = (record.step, norms)
         else:
@@ -147,7 +147,7 @@ class Fingerprinter:
             self._submit(step, param_norms, [])
             return
         with torch.no_grad():
-            norms = list(torch._foreach_norm([b.detach() for b in buffers]))
+            norms = fp32_norms([b.detach() for b in buffers])
         self._submit(step, param_norms, norms)
         self._buffer_spent = time.perf_counter() - started  # counted at the next adaptation
 

@@ -42,6 +42,24 @@ PROBE_ROTATIONS = 16
 _PATCHES = Patches()
 
 
+def fp32_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One L2 norm per tensor, accumulated and returned in float32 whatever
+    the tensors' dtype. `_foreach_norm` and `vector_norm` return the input
+    dtype: a finite fp16 gradient (every GradScaler-scaled one) can have an
+    `inf` fp16 norm (a false non-finite), and a bf16 norm resolves only ~0.4 %
+    (a replica perturbed by less is invisible). `_foreach_norm`'s `dtype`
+    argument is newer than some supported torch releases: without it, one
+    `vector_norm(dtype=float32)` per tensor (the same numbers)."""
+    if not tensors:
+        return []
+    if all(t.dtype in (torch.float32, torch.float64) for t in tensors):
+        return list(torch._foreach_norm(tensors))
+    try:
+        return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+    except (TypeError, RuntimeError):
+        return [torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]
+
+
 def unpatch() -> None:
     _PATCHES.undo()
     _CHECKERS.clear()
@@ -81,9 +99,11 @@ class _DeferredRead:
         self.pending: list[tuple[Any, Any, Callable[[list[float]], None]]] = []
 
     def submit(self, values: list[torch.Tensor], consume: Callable[[list[float]], None]) -> None:
+        """``values``: scalars and vectors (a bucket's per-parameter norms),
+        read as one flat list of floats in their order."""
         if not values:
             return
-        stacked = torch.stack([v.detach().float().reshape(()) for v in values])
+        stacked = torch.cat([v.detach().float().reshape(-1) for v in values])
         if stacked.device.type == "cpu":
             consume(stacked.tolist())
             return
@@ -197,12 +217,12 @@ class GradChecker:
                 if not math.isfinite(float(norm)):
                     norm = torch.linalg.vector_norm(buffer)  # overflow of the square, or a real NaN/Inf
             else:
-                norm = torch.linalg.vector_norm(buffer)
+                norm = torch.linalg.vector_norm(buffer, dtype=torch.float32)  # fp16/bf16: see fp32_norms
         else:
             # On a GPU the values are read a step later, when the local
             # gradients are gone: keep per-parameter norms (one fused kernel)
             # so a non-finite one can still be named.
-            per_param = torch.stack(torch._foreach_norm(bucket.gradients()))
+            per_param = torch.stack(fp32_norms(bucket.gradients()))
             norm = torch.linalg.vector_norm(per_param)
             self._param_norms.append(([self.names.get(id(p), "?") for p in bucket.parameters()], per_param))
         self._norms.append(norm)
@@ -237,7 +257,7 @@ class GradChecker:
         if math.isfinite(float(buffer.take(positions).sum())):
             self._probe_spent += time.perf_counter() - started
             return
-        norm = torch.linalg.vector_norm(buffer)
+        norm = torch.linalg.vector_norm(buffer, dtype=torch.float32)
         if not math.isfinite(float(norm)):  # not a mere overflow of the probe's sum
             self._norms.append(norm)
             self._norm_buckets.append(index)
