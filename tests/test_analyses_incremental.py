@@ -129,6 +129,20 @@ def test_weight_divergence_compares_parameters_not_buffers():
     assert len({id(fp["names"]) for fp in prints}) == 1
 
 
+def test_weight_divergence_waits_for_a_majority_when_the_reference_rank_skipped_a_step():
+    """3 ranks, rank 1 perturbed. Rank 0 (busy) sampled out one fingerprint
+    step: ranks 1 and 2 alone tie, and neither is the reference. That step
+    decides nothing (it blamed rank 2); the next step with a majority names rank 1."""
+    names = ["param:0.weight", "param:0.bias"]
+    run = RunState(run_id="x", world_size=3)
+    run.rank(1).add_fingerprint({"step": 7, "names": list(names), "norms": [2.0, 2.0]})
+    run.rank(2).add_fingerprint({"step": 7, "names": list(names), "norms": [1.0, 2.0]})
+    for r in range(3):
+        run.rank(r).add_fingerprint({"step": 15, "names": list(names), "norms": [1.0 + (r == 1), 2.0]})
+    v = analyses.weight_divergence.detect(run, T0, True)[0]
+    assert v.ranks == [1] and v.step == 15
+
+
 def test_state_is_bounded_however_long_the_run():
     """8 ranks: the state after 20,000 steps weighs what it weighs after 2,000."""
     n = 8

@@ -3,7 +3,8 @@
 Compares the per-tensor fingerprints that every rank sends out of band for
 the same step. The culprits are the ranks that differ from the majority;
 with no majority (two ranks), the ranks that differ from rank 0, whose
-weights DDP itself broadcasts as the reference. Parameters only: buffers
+weights DDP itself broadcasts as the reference; a tie without rank 0 (it
+sampled that step out) decides nothing. Parameters only: buffers
 (BatchNorm running statistics) differ legitimately between DDP's broadcasts.
 """
 
@@ -86,7 +87,12 @@ class Tracker:
         if len(ordered[0]) > len(ordered[1]):
             reference = ordered[0]
         else:
-            reference = next((g for g in ordered if 0 in g), ordered[0])
+            reference = next((g for g in ordered if 0 in g), None)
+            if reference is None:
+                # A tie without rank 0 (whose weights DDP broadcasts): a rank that
+                # sampled this step out would be the tie-breaker. Undecidable here;
+                # a step with a majority or with rank 0 decides.
+                return
         culprits = sorted(r for g in ordered if g is not reference for r in g)
         ref, odd = prints[reference[0]], prints[culprits[0]]
         names = list(ref.get("names") or [])
