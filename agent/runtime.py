@@ -133,7 +133,7 @@ class Agent:
     @guarded("agent.blackbox")
     def _install_blackbox(self) -> None:
         if self.run_dir:
-            from rankwatch import blackbox
+            from rankwatch.node import blackbox
 
             box = blackbox.BlackBox(blackbox.path_for(self.run_dir, self.identity.rank))
             self.progress.blackbox = box

@@ -54,7 +54,7 @@ def plain(nproc: int, args: list[str], timeout: float) -> str:
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        from rankwatch.supervisor import _descendants
+        from rankwatch.node.supervisor import _descendants
 
         # torchrun's workers lead their own sessions: kill them by descent.
         for pid in [proc.pid, *_descendants(proc.pid)]:

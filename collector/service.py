@@ -21,6 +21,7 @@ from rankwatch.bundles import Bundle, BundleError, repack, unpack
 from rankwatch.redact import redact_obj
 from rankwatch import config as config_mod
 from rankwatch.config import Config
+from rankwatch.outputs import report as report_output
 
 from . import analyses, report as report_mod
 from .evidence import RankEvidence, from_bundle
@@ -93,7 +94,7 @@ class Collector:
         self.bundles_rejected = 0
         self.on_verdict: list[Callable[[str, wire.Verdict], None]] = []
         if self.config.grafana_url:
-            from rankwatch.grafana import Annotator
+            from rankwatch.outputs.grafana import Annotator
 
             self.on_verdict.append(Annotator(self.config.grafana_url, self.config.grafana_token))
 
@@ -686,7 +687,7 @@ class Collector:
         if self._run_dir_for is not None or self.data_dir is None:
             return
         try:
-            report_mod.write(report, self.run_dir(run_id) / "report.json")
+            report_output.write(report, self.run_dir(run_id) / "report.json")
         except (OSError, RequestError) as exc:
             log.warning("run %s: report.json not written (%s); it is served from the index", run_id, exc)
 

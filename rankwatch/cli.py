@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(command: str, rest: list[str]) -> int:
     if command == "run":
-        from .launcher import run
+        from .node.launcher import run
 
         return run(rest)
     if command == "analyze":
@@ -67,7 +67,7 @@ def _dispatch(command: str, rest: list[str]) -> int:
     if command == "collector":
         return collector(rest)
     if command == "grafana":
-        from .grafana import main as grafana_main
+        from .outputs.grafana import main as grafana_main
 
         return grafana_main(rest)
     print(f"rankwatch: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
@@ -86,7 +86,7 @@ def analyze(argv: list[str]) -> int:
     parser.add_argument("--run", dest="run_id", default=None,
                         help="which run of a collector's data dir (default: the newest)")
     args = parser.parse_args(argv)
-    from rankwatch.collector import report as report_mod
+    from rankwatch.outputs import report as report_mod
     from rankwatch.collector.offline import AnalyzeError, analyze_path
 
     try:
@@ -110,7 +110,8 @@ def analyze(argv: list[str]) -> int:
     if args.plot or args.tensorboard:
         from rankwatch.collector.offline import load
 
-        from . import plot as plot_mod
+        from .outputs import plot as plot_mod
+        from .outputs import tensorboard as tensorboard_mod
         from .extras import require
 
         if args.plot:
@@ -120,7 +121,7 @@ def analyze(argv: list[str]) -> int:
             print(f"plot: {plot_mod.plot(run, report, Path(args.plot))}", file=sys.stderr)
         if args.tensorboard:
             try:
-                print(f"tensorboard: {plot_mod.tensorboard(run, report, Path(args.tensorboard))}", file=sys.stderr)
+                print(f"tensorboard: {tensorboard_mod.export(run, report, Path(args.tensorboard))}", file=sys.stderr)
             except RuntimeError as exc:
                 print(f"rankwatch analyze: {exc}", file=sys.stderr)
                 return 2

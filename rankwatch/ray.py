@@ -230,7 +230,7 @@ class RankwatchCallback(ControllerCallback, WorkerGroupCallback, WorkerCallback)
         return ray.util.get_node_ip_address() if len(alive) > 1 else bind
 
     def _worker_env(self) -> dict[str, str]:
-        from rankwatch.launcher import worker_environment
+        from rankwatch.node.launcher import worker_environment
 
         assert self._run_dir is not None
         env = worker_environment(self._run_dir)  # Flight Recorder settings, where the user set none
@@ -398,7 +398,7 @@ class RankwatchCallback(ControllerCallback, WorkerGroupCallback, WorkerCallback)
         if self._finished or self._run_dir is None or not self._url:
             return
         self._finished = True
-        from rankwatch.collector import report as report_mod
+        from rankwatch.outputs import report as report_mod
 
         report = None
         try:
@@ -529,7 +529,7 @@ class _NodeHelper:
     the workers are not this process's children."""
 
     def __init__(self, run_id: str, run_dir: str, url: str, on_hang: str, hang_timeout: Optional[float]):
-        from rankwatch.supervisor import NodeSupervisor
+        from rankwatch.node.supervisor import NodeSupervisor
 
         token = os.environ.get("RANKWATCH_TOKEN")
 
@@ -547,7 +547,7 @@ class _NodeHelper:
                                         on_hang=on_hang, hang_timeout=hang_timeout)
 
     def _worker(self, info: dict[str, Any]):
-        from rankwatch.supervisor import Worker
+        from rankwatch.node.supervisor import Worker
 
         return Worker(pid=int(info["pid"]), rank=int(info["rank"]), local_rank=int(info["local_rank"]),
                       world_size=int(info["world_size"]))

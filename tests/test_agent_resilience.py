@@ -102,7 +102,7 @@ def test_unwritable_run_dir_leaves_the_job_unchanged(tmp_path, small_fs, kind):
 
 
 def test_blackbox_on_a_full_disk_is_in_memory(tmp_path, small_fs):
-    from rankwatch import blackbox
+    from rankwatch.node import blackbox
 
     folder = small_fs("size=64k")
     _fill(folder)
@@ -114,7 +114,7 @@ def test_blackbox_on_a_full_disk_is_in_memory(tmp_path, small_fs):
 
 
 def test_blackbox_blocks_are_allocated(tmp_path):
-    from rankwatch import blackbox
+    from rankwatch.node import blackbox
 
     path = tmp_path / "rank-00000.blackbox"
     box = blackbox.BlackBox(path)

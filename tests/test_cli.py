@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from rankwatch import config as config_mod
-from rankwatch.launcher import build_parser
+from rankwatch.node.launcher import build_parser
 
 
 def test_help_lists_every_command_with_one_line_and_no_markup():

@@ -213,7 +213,7 @@ def test_non_finite_values_are_kept_as_signal_and_written_as_strict_json(server,
         assert status == 200
         _strict_loads(body)
     report = server.collector.finish("nan-run")
-    from rankwatch.collector import report as report_mod
+    from rankwatch.outputs import report as report_mod
 
     report_mod.write(report, tmp_path / "report.json")
     _strict_loads((tmp_path / "report.json").read_text())
@@ -588,7 +588,7 @@ def test_secret_in_a_heartbeat_event_is_never_stored(server, monkeypatch):
 
 
 def test_supervisor_never_writes_outside_the_run_dir_and_survives_bad_commands(tmp_path):
-    from rankwatch.supervisor import NodeSupervisor, Worker
+    from rankwatch.node.supervisor import NodeSupervisor, Worker
 
     run_dir = tmp_path / "deep" / "run"
     run_dir.mkdir(parents=True)
@@ -743,6 +743,7 @@ def test_fuzzed_bundles_never_crash_the_readers_or_the_analyses():
     import random
 
     from rankwatch.collector import analyses, report as report_mod
+    from rankwatch.outputs import report as report_output
     from rankwatch.collector.evidence import from_bundle
     from rankwatch.collector.service import merge_bundle
     from rankwatch.collector.state import Incident, RunState
@@ -778,4 +779,4 @@ def test_fuzzed_bundles_never_crash_the_readers_or_the_analyses():
             merge_bundle(run, bundle)
         report = report_mod.build(run, analyses.run_all(run, now + 1, final=True))
         _strict_loads(wire.json_text(wire.to_dict(report)))
-        report_mod.text(report)
+        report_output.text(report)

@@ -195,7 +195,7 @@ def junk_collector():
 def test_the_launchers_view_of_an_unusable_collector_never_reports_a_failed_job_healthy(tmp_path, mode,
                                                                                         junk_collector):
     """The launcher's own end-of-run path (the real client, a real junk server)."""
-    from rankwatch import launcher
+    from rankwatch.node import launcher
 
     url = junk_collector(mode)
     remote = launcher._RemoteCollector(url, token="t")

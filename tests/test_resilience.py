@@ -55,7 +55,7 @@ def test_interrupted_launcher_still_writes_the_report(tmp_path, train_script):
 
 
 def _stepped(run_dir: Path) -> bool:
-    from rankwatch import blackbox
+    from rankwatch.node import blackbox
 
     box = blackbox.read(blackbox.path_for(run_dir, 0))
     return bool(box and box["step"] >= 3)

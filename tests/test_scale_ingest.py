@@ -22,7 +22,7 @@ from rankwatch.collector import server as server_mod
 from rankwatch.collector.server import CollectorServer
 from rankwatch.collector.service import Collector
 from rankwatch.config import Config
-from rankwatch.relay import Relay, merge_beats
+from rankwatch.node.relay import Relay, merge_beats
 
 from conftest import wait_until
 

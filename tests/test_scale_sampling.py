@@ -20,7 +20,7 @@ from rankwatch.collector.service import Collector, record_stride
 from rankwatch.collector.state import RunState
 from rankwatch.collector.store import Store
 from rankwatch.config import Config
-from rankwatch.relay import Relay, StepSampler
+from rankwatch.node.relay import Relay, StepSampler
 
 COLUMNS = list(wire.STEP_COLUMNS)
 

@@ -367,7 +367,7 @@ def test_stacks_taken_from_outside_carry_the_source_line(train_script):
     built from them and must still quote the line."""
     from rankwatch.collector.analyses.common import where
     from rankwatch.collector.evidence import fill_source
-    from rankwatch.supervisor import _pyspy_to_stacks, with_source
+    from rankwatch.node.supervisor import _pyspy_to_stacks, with_source
 
     lines = train_script.read_text().splitlines()
     line = next(i for i, text in enumerate(lines, 1) if "time.sleep(3600)" in text and "compute" in text)

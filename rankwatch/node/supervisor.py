@@ -25,9 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from . import __version__, wire
-from .bundles import pack
-from .redact import redact_text
+from rankwatch import __version__
+
+from rankwatch import wire
+from rankwatch.bundles import pack
+from rankwatch.redact import redact_text
 
 FAULTHANDLER_SIGNAL = signal.SIGUSR2
 PYSPY_TIMEOUT = 8.0
@@ -307,8 +309,8 @@ class NodeSupervisor:
         """A rank died: its black box (last step and phase) and what Python's
         faulthandler wrote on the fatal signal (SIGABRT from a collective
         abort, SIGSEGV) are what it could not report itself."""
-        from . import blackbox
-        from .faulttext import MAIN_MARK, parse
+        from rankwatch.node import blackbox
+        from rankwatch.faulttext import MAIN_MARK, parse
 
         members: dict[str, Any] = {}
         box = blackbox.read(blackbox.path_for(self.run_dir, worker.rank))
@@ -386,7 +388,7 @@ class NodeSupervisor:
         if stale:
             # The frozen rank's own last words (its heartbeat thread is stopped
             # too): read before faulthandler's signal, which may end a C call.
-            from . import blackbox
+            from rankwatch.node import blackbox
 
             box = blackbox.read(blackbox.path_for(self.run_dir, worker.rank))
             if box is not None:

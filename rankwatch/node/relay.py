@@ -28,9 +28,9 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from . import wire
+from rankwatch import wire
 
-log = logging.getLogger("rankwatch.relay")
+log = logging.getLogger("rankwatch.node.relay")
 
 MAX_ROWS_PER_RANK = 512  # step rows held per rank between reports (the newest kept)
 MAX_ITEMS_PER_RANK = 256  # marks, events held per rank

@@ -24,8 +24,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Optional
 
-from . import config as config_mod
-from . import wire
+from rankwatch import config as config_mod
+from rankwatch import wire
 
 OUR_OPTIONS = ("run_dir", "collector", "hang_timeout", "on_hang", "config")
 OUR_FLAGS = frozenset({"--run-dir", "--collector", "--hang-timeout", "--on-hang", "--config"})
@@ -217,7 +217,7 @@ class _RemoteCollector:
 
 
 def run(argv: list[str]) -> int:
-    from .redact import install_log_redaction
+    from rankwatch.redact import install_log_redaction
 
     install_log_redaction()  # the embedded collector's log lines (this process only, not the workers)
     parser = build_parser()
@@ -248,7 +248,7 @@ def run(argv: list[str]) -> int:
             # The node's agents beat to this launcher's relay, which sends one
             # report per node per interval. They get a token of their own: the
             # collector's token never enters the workers' environment.
-            from .relay import Relay
+            from rankwatch.node.relay import Relay
 
             agent_token = secrets.token_urlsafe(32)
             relay = Relay(remote.post, run_id, token=agent_token, interval=cfg.heartbeat_interval).start()
@@ -276,7 +276,7 @@ def run(argv: list[str]) -> int:
                 "RANKWATCH_COLLECTOR": agents_url, "RANKWATCH_COLLECTOR_URL": agents_url})
     os.environ.update(env)
 
-    from .supervisor import NodeSupervisor
+    from rankwatch.node.supervisor import NodeSupervisor
 
     node_rank = int(os.environ.get("GROUP_RANK", getattr(args, "node_rank", 0) or 0))
     supervisor = NodeSupervisor(run_id=run_id, run_dir=run_dir, post=relay.supervisor_post if relay else remote.post,
@@ -461,7 +461,7 @@ def _write_report(report: wire.Report, run_dir: Path) -> None:
     printed either way."""
     import tempfile
 
-    from rankwatch.collector import report as report_mod
+    from rankwatch.outputs import report as report_mod
 
     target = run_dir / "report.json"
     written: Optional[Path] = None
@@ -478,7 +478,7 @@ def _write_report(report: wire.Report, run_dir: Path) -> None:
             _say(f"report.json could not be written to {target} ({exc.strerror or exc}) nor to {fallback} "
                  f"({exc2.strerror or exc2}); only the summary below is available")
     try:
-        from rankwatch.collector import report as report_mod
+        from rankwatch.outputs import report as report_mod
 
         print(report_mod.text(report), file=sys.stderr, flush=True)
     except Exception as exc:
@@ -540,6 +540,6 @@ def _local_world_size(args: argparse.Namespace) -> int:
 
 
 def _say(message: str) -> None:
-    from .redact import redact_text  # exception texts may carry secrets (SECURITY.md, redaction rule)
+    from rankwatch.redact import redact_text  # exception texts may carry secrets (SECURITY.md, redaction rule)
 
     print(f"[rankwatch] {redact_text(message)}", file=sys.stderr, flush=True)

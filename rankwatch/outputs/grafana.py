@@ -17,16 +17,16 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from . import wire
+from rankwatch import wire
 
-log = logging.getLogger("rankwatch.grafana")
+log = logging.getLogger("rankwatch.outputs.grafana")
 
 DASHBOARDS_DIR = Path(__file__).resolve().parents[1] / "dashboards"
 DATASOURCE_NAME = "rankwatch-prometheus"
 
 
 def _api(url: str, token: Optional[str]):
-    from .extras import require
+    from rankwatch.extras import require
 
     GrafanaApi = require("grafana_client", "grafana-client", "grafana", "rankwatch grafana").GrafanaApi
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from . import wire
+from rankwatch import wire
 
 KIND_COLOURS = {"hang": "#d62728", "collective_mismatch": "#9467bd", "crash": "#8c564b", "nonfinite": "#e377c2",
                 "grad_spike": "#ff7f0e", "weight_divergence": "#17becf", "straggler": "#1f77b4",
@@ -99,28 +99,3 @@ def plot(run, report: wire.Report, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-def tensorboard(run, report: wire.Report, logdir: Path) -> Path:
-    """Per-rank series as TensorBoard scalars, verdicts as text (optional extra)."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError as exc:
-        raise RuntimeError("TensorBoard export needs the tensorboard package: pip install 'rankwatch[tensorboard]'") from exc
-    logdir = Path(logdir)
-    for rank, state in sorted(run.ranks.items()):
-        writer = SummaryWriter(log_dir=str(logdir / f"rank{rank}"))
-        for record in state.steps.values():
-            step_time = record.ended_at - record.started_at
-            writer.add_scalar("rankwatch/step_seconds", step_time, record.step, walltime=record.ended_at)
-            for name in ("compute_s", "data_s", "loss", "grad_norm", "rss_bytes", "device_allocated_bytes"):
-                value = getattr(record, name)
-                if value is not None and math.isfinite(value):
-                    writer.add_scalar(f"rankwatch/{name}", value, record.step, walltime=record.ended_at)
-        writer.close()
-    writer = SummaryWriter(log_dir=str(logdir / "verdicts"))
-    for i, v in enumerate(report.verdicts):
-        writer.add_text(f"verdicts/{v.kind}", f"**rank(s) {v.ranks}**, step {v.step}: {v.summary}", v.step or i)
-    writer.add_text("report/status", f"{report.status}: {len(report.verdicts)} verdict(s)", 0)
-    writer.close()
-    return logdir
