@@ -38,6 +38,9 @@ for step in range(30):
     if step % 10 == 0:
         torch.save(model.state_dict(), os.devnull)  # a checkpoint write (wrapped by the agent)
 print(f"RESULT rank {dist.get_rank()} loss {loss.item():.6f}", flush=True)
+# DDP (and the last loss's graph) hold the process group: released before destroy (conftest TORCH_TEARDOWN_ABORT)
+del model, opt, first, loss
+import gc; gc.collect()
 """
 
 
