@@ -422,6 +422,7 @@ class RankwatchCallback(ControllerCallback, WorkerGroupCallback, WorkerCallback)
             if report is not None:
                 path = self._run_dir / "report.json"
                 report_mod.write(report, path)
+                self._write_page(report)
                 if self._storage is not None:
                     fs, target = self._storage
                     try:
@@ -442,6 +443,24 @@ class RankwatchCallback(ControllerCallback, WorkerGroupCallback, WorkerCallback)
                 self._server.stop()
             if self._collector is not None:
                 self._collector.stop()
+
+    def _write_page(self, report: wire.Report) -> None:
+        """report.html next to report.json (one line if it cannot be made)."""
+        try:
+            from rankwatch.outputs import html
+
+            run = self._collector.runs.get(self.run_id) if self._collector is not None else None
+            if run is None:
+                from rankwatch.collector.offline import load
+
+                try:
+                    run, _ = load(self._run_dir)
+                except Exception:
+                    run = None
+            page = html.write(report, self._run_dir / "report.html", run, argv=sys.argv)
+            _say(f"page: {page}")
+        except Exception as exc:
+            _say(f"report.html not written ({type(exc).__name__}: {exc})")
 
     def _wait_for_crash_bundles(self, timeout: float = 3.0) -> None:
         """A rank whose loop raised sends its bundle on the way out."""
