@@ -598,7 +598,7 @@ def evidence_block(evidence: dict[str, Any], culprits: set) -> str:
         for r in ordered[:4 * pagedata.TABLE_ROWS]:
             row = per_rank[r]
             out.append(f'<tr class="{"culprit" if r in culprits else ""}"><td class="rank">{esc(r)}</td>')
-            out.extend(f"<td>{_value_html(row.get(c), 1)}</td>" for c in columns)
+            out.extend(f"<td>{_value_html(row.get(c), 1, c)}</td>" for c in columns)
             out.append("</tr>")
         out.append("</tbody></table></div>")
         for key, text in more.items():
@@ -612,17 +612,19 @@ def evidence_block(evidence: dict[str, Any], culprits: set) -> str:
 def _kv_table(items: dict[str, Any], depth: int) -> str:
     out = ['<table class="kv"><tbody>']
     for key, value in list(items.items())[:200]:
-        out.append(f"<tr><th>{esc(_s(key, 200))}</th><td>{_value_html(value, depth + 1)}</td></tr>")
+        out.append(f"<tr><th>{esc(_s(key, 200))}</th><td>{_value_html(value, depth + 1, _s(key, 200))}</td></tr>")
     out.append("</tbody></table>")
     return "".join(out)
 
 
-def _value_html(value: Any, depth: int) -> str:
+def _value_html(value: Any, depth: int, key: str = "") -> str:
     if value is None:
         return '<span class="null">-</span>'
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, (int, float)):
+        if (key == "at" or key.endswith(("_at", ".at"))) and 1e9 <= value <= wire.MAX_TIME:  # a unix time, in UTC
+            return esc(_when(pagedata._iso(float(value))))
         return esc(_fmt_number(value))
     if isinstance(value, str):
         text = _s(value)
@@ -654,7 +656,7 @@ def _list_table(items: list, depth: int) -> str:
     out.extend(f"<th>{esc(c)}</th>" for c in cols)
     out.append("</tr></thead><tbody>")
     for item in items:
-        out.append("<tr>" + "".join(f"<td>{_value_html(item.get(c), depth + 1)}</td>" for c in cols) + "</tr>")
+        out.append("<tr>" + "".join(f"<td>{_value_html(item.get(c), depth + 1, c)}</td>" for c in cols) + "</tr>")
     out.append("</tbody></table>")
     return "".join(out)
 

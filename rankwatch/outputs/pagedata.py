@@ -68,7 +68,7 @@ def build(report: wire.Report, run: Any = None, *, page_dir: Optional[Path] = No
     ``argv``/``env``: the launcher's command line and environment, shown when
     no bundle carries the workers' own."""
     culprits = sorted({r for v in report.verdicts for r in v.ranks})
-    ranks = sorted(run.ranks) if run is not None else []
+    ranks = sorted(list(run.ranks)) if run is not None else []
     world = report.world_size or (ranks[-1] + 1 if ranks else 0)
     expanded = _expanded(culprits, world)
     model: dict[str, Any] = {
@@ -95,7 +95,11 @@ def build(report: wire.Report, run: Any = None, *, page_dir: Optional[Path] = No
         model["heatmap"] = heatmap(run, ranks, steps, culprits, world)
         model["bundles"] = bundles(run, page_dir, bundle_href)
     model["run"] = run_info(run, culprits, argv, env)
-    return model
+    # Defence in depth: everything rankwatch stores was redacted already; the
+    # page is redacted again as a whole (the series are numbers only).
+    from rankwatch.redact import redact_obj
+
+    return {k: (v if k in ("timelines", "heatmap") else redact_obj(v)) for k, v in model.items()}
 
 
 # -- verdicts -----------------------------------------------------------------------------
@@ -451,7 +455,7 @@ def _expanded(culprits: list[int], world: int) -> list[int]:
 def _steps(run: Any, ranks: list[int]) -> list[int]:
     seen: set[int] = set()
     for r in ranks:
-        seen.update(run.ranks[r].steps.keys())
+        seen.update(list(run.ranks[r].steps))  # one snapshot per rank: the live collector keeps ingesting
     return sorted(seen)[-MAX_STEPS:]
 
 
@@ -486,10 +490,10 @@ def timelines(run: Any, ranks: list[int], steps: list[int], expanded: list[int],
     binned = len(ranks) > len(shown)
     series: dict[str, dict[str, list]] = {key: {} for key, _, _ in METRICS}
     for r in shown:
-        records = run.ranks[r].steps
+        records = list(run.ranks[r].steps.items())
         for key, _, _ in METRICS:
             row: list = [None] * len(steps)
-            for step, record in records.items():
+            for step, record in records:
                 i = index.get(step)
                 if i is not None:
                     row[i] = _num(_value(record, key))
@@ -498,7 +502,7 @@ def timelines(run: Any, ranks: list[int], steps: list[int], expanded: list[int],
     if binned:
         columns: dict[str, list[list[float]]] = {key: [[] for _ in steps] for key, _, _ in METRICS}
         for r in ranks:
-            for step, record in run.ranks[r].steps.items():
+            for step, record in list(run.ranks[r].steps.items()):
                 i = index.get(step)
                 if i is None:
                     continue
@@ -568,7 +572,7 @@ def heatmap(run: Any, ranks: list[int], steps: list[int], culprits: list[int], w
     for group in groups:
         cells = {key: [None] * len(steps) for key in available}
         for r in group:
-            for step, record in run.ranks[r].steps.items():
+            for step, record in list(run.ranks[r].steps.items()):
                 i = index.get(step)
                 if i is None:
                     continue
@@ -597,7 +601,7 @@ def _progress(run: Any, ranks: list[int]) -> dict[str, Any]:
     if not ranks:
         return {}
     steps = [run.ranks[r].step for r in ranks]
-    exited = sum(1 for r in run.notable if r in run.ranks and run.ranks[r].exit_code is not None)
+    exited = sum(1 for r in list(run.notable) if r in run.ranks and run.ranks[r].exit_code is not None)
     return {"min_step": min(steps), "max_step": max(steps), "ranks": len(ranks), "exited": exited,
             "finished": bool(run.finished), "aborted": run.aborted}
 
@@ -652,7 +656,8 @@ def run_info(run: Any, culprits: list[int], argv: Optional[list[str]], env: Opti
 
     info: dict[str, Any] = {"versions": {"rankwatch": __version__,
                                          "python": sys.version.split()[0]},
-                            "argv": None, "env": None, "source": "this process"}
+                            "argv": None, "env": None,
+                            "source": "the process that made this page (no agent bundle carries the workers' own)"}
     torch = sys.modules.get("torch")
     if torch is not None and getattr(torch, "__version__", None):
         info["versions"]["torch"] = str(torch.__version__)

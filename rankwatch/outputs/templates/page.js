@@ -78,6 +78,10 @@
     destroyPlots();
     if (!t || !t.metrics || typeof uPlot === "undefined") { return; }
     var steps = (t.steps || []).map(value);
+    // The x axis reaches the verdicts' steps too (a hang's step has no record yet).
+    var lo = steps.length ? steps[0] : 0, hi = steps.length ? steps[steps.length - 1] : 1;
+    (t.markers || []).forEach(function (m) { lo = Math.min(lo, m.step); hi = Math.max(hi, m.step); });
+    var xRange = function () { return [lo, hi > lo ? hi : lo + 1]; };
     var culprits = {};
     (t.culprits || []).forEach(function (r) { culprits[String(r)] = true; });
     t.metrics.forEach(function (m) {
@@ -114,8 +118,8 @@
       var unit = m.unit;
       var opts = {
         width: width, height: 220, series: series, bands: bands,
-        scales: { x: { time: false } },
-        axes: [{ label: "step", size: 36 },
+        scales: { x: { time: false, range: xRange } },
+        axes: [{ label: "step", size: 36, incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000] },
                { size: 72, values: function (u, vals) { return vals.map(function (v) { return fmt(v, unit); }); } }],
         legend: { live: true },
         cursor: { drag: { x: true, y: false } },
@@ -162,9 +166,9 @@
     var wrap = canvas.parentElement;
     var labelW = 120, top = 22, bottom = 26;
     var avail = Math.max(300, (wrap.clientWidth || 900) - labelW - 24);
-    var cellW = Math.max(3, Math.min(28, Math.floor(avail / Math.max(1, steps.length))));
-    var cellH = Math.max(2, Math.min(16, Math.floor(640 / rows.length)));
-    var width = labelW + cellW * steps.length + 10, height = top + cellH * rows.length + bottom;
+    var cellW = Math.max(3, Math.min(40, Math.floor(avail / Math.max(1, steps.length))));
+    var cellH = Math.max(2, Math.min(22, Math.floor(640 / rows.length)));
+    var width = Math.max(560, labelW + cellW * steps.length + 10), height = top + cellH * rows.length + bottom;
     var dpr = window.devicePixelRatio || 1;
     canvas.width = Math.round(width * dpr); canvas.height = Math.round(height * dpr);
     canvas.style.width = width + "px"; canvas.style.height = height + "px";
