@@ -234,9 +234,9 @@ def ranks_label(ranks: Any, total: Any = None) -> str:
     if not items:
         return "no rank"
     text = pagedata.rank_ranges(items)
-    word = "rank" if count == 1 else "ranks"
-    more = f" (+{count - len(items)} more)" if count > len(items) else ""
-    return f"{word} {text}{more}"
+    if count > len(items):  # a group of a big job: its size first, then the ranks it starts with
+        return f"{count:,} ranks ({text}, ...)"
+    return f"{'rank' if count == 1 else 'ranks'} {text}"
 
 
 def _tag(tag: str, text: Any = "", cls: Optional[str] = None) -> str:
@@ -595,12 +595,26 @@ def evidence_block(evidence: dict[str, Any], culprits: set) -> str:
         out.append('<div class="scroll"><table class="per-rank"><thead><tr><th>rank</th>')
         out.extend(f"<th>{esc(c)}</th>" for c in columns)
         out.append("</tr></thead><tbody>")
-        for r in ordered[:4 * pagedata.TABLE_ROWS]:
-            row = per_rank[r]
-            out.append(f'<tr class="{"culprit" if r in culprits else ""}"><td class="rank">{esc(r)}</td>')
-            out.extend(f"<td>{_value_html(row.get(c), 1, c)}</td>" for c in columns)
-            out.append("</tr>")
-        out.append("</tbody></table></div>")
+        shown = ordered[:4 * pagedata.TABLE_ROWS]
+        first = [r for r in shown if r in culprits] or shown[:1]
+        first = first + [r for r in shown if r not in first][:max(0, 16 - len(first))]
+        rest = [r for r in shown if r not in set(first)]
+
+        def rows(ranks: list[int]) -> str:
+            body = []
+            for r in ranks:
+                row = per_rank[r]
+                body.append(f'<tr class="{"culprit" if r in culprits else ""}"><td class="rank">{esc(r)}</td>')
+                body.extend(f"<td>{_value_html(row.get(c), 1, c)}</td>" for c in columns)
+                body.append("</tr>")
+            return "".join(body)
+
+        out.append(rows(first) + "</tbody></table></div>")
+        if rest:  # a long table stays folded: the culprits and the first ranks are what one reads
+            out.append(f'<details class="more-ranks"><summary>{esc(len(rest))} more rank'
+                       f'{"s" if len(rest) != 1 else ""}</summary><div class="scroll"><table class="per-rank">'
+                       f'<thead><tr><th>rank</th>' + "".join(f"<th>{esc(c)}</th>" for c in columns)
+                       + "</tr></thead><tbody>" + rows(rest) + "</tbody></table></div></details>")
         for key, text in more.items():
             out.append(f'<p class="hint">{esc(key)}: {esc(text)} rank{"s" if text != "1 more" else ""} not listed.</p>')
     if others:
@@ -639,6 +653,10 @@ def _value_html(value: Any, depth: int, key: str = "") -> str:
             return _list_table(value[:200], depth)
         return f"<pre>{esc(_s(value))}</pre>"
     if isinstance(value, dict):
+        if 0 < len(value) <= 6 and all(v is None or isinstance(v, (str, int, float)) for v in value.values()) \
+                and all(len(_s(v, 100)) < 40 for v in value.values()):  # {"0": 25}: one line, "0: 25"
+            return esc(", ".join(f"{_s(k, 100)}: {_fmt_number(v) if isinstance(v, (int, float)) else _s(v, 100)}"
+                                 for k, v in value.items()))
         if depth < 4 and len(value) <= 200:
             return _kv_table(value, depth)
         return f"<pre>{esc(_s(value))}</pre>"

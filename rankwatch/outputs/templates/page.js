@@ -157,11 +157,16 @@
     if (!canvas || !h || !h.metrics || !h.metrics.length || !h.rows.length) { return; }
     var metric = h.metrics[Math.min(state.hmMetric, h.metrics.length - 1)];
     var rows = h.rows, steps = h.steps, values = metric.values;
-    var finite = [];
-    values.forEach(function (r) { r.forEach(function (v) { var x = value(v); if (x !== null && isFinite(x)) { finite.push(x); } }); });
-    finite.sort(function (a, b) { return a - b; });
-    var vmin = finite.length ? finite[0] : 0;
-    var vmax = finite.length ? finite[Math.min(finite.length - 1, Math.floor(0.98 * (finite.length - 1)))] : 1;
+    // The colour scale spans the values after the first two steps (start-up
+    // is slow on every rank): the rank that stands out is the brightest.
+    var skip = steps.length > 4 ? 2 : 0, vmin = Infinity, vmax = -Infinity;
+    values.forEach(function (r) {
+      for (var j = skip; j < r.length; j += 1) {
+        var x = value(r[j]);
+        if (x !== null && isFinite(x)) { vmin = Math.min(vmin, x); vmax = Math.max(vmax, x); }
+      }
+    });
+    if (!isFinite(vmin)) { vmin = 0; vmax = 1; }
     if (vmax <= vmin) { vmax = vmin + (Math.abs(vmin) || 1); }
     var wrap = canvas.parentElement;
     var labelW = 120, top = 22, bottom = 26;
@@ -199,8 +204,8 @@
       if (j % labelEvery === 0) { ctx.fillText(String(s), labelW + j * cellW, top + rows.length * cellH + 12); }
     });
     ctx.fillText("step \u2192", labelW, 10);
-    ctx.fillText(fmt(vmin, metric.unit) + " \u2026 " + fmt(vmax, metric.unit) + " (98th percentile)",
-                 labelW + 60, 10);
+    ctx.fillText("colour: " + fmt(vmin, metric.unit) + " \u2026 " + fmt(vmax, metric.unit) +
+                 (skip ? " (after the first two steps)" : ""), labelW + 60, 10);
     (markers || []).forEach(function (m) {
       var j = steps.indexOf(m.step);
       if (j < 0) { return; }
