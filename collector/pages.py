@@ -33,7 +33,6 @@ import re
 import secrets
 import threading
 import time
-from http.cookies import CookieError, SimpleCookie
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -119,23 +118,21 @@ class Sessions:
     def valid(self, cookie_header: Optional[str]) -> bool:
         if not cookie_header or len(cookie_header) > 8192:
             return False
-        try:
-            cookies = SimpleCookie()
-            cookies.load(cookie_header)
-        except CookieError:
-            return False
-        morsel = cookies.get(self.cookie_name)
-        if morsel is None:
-            return False
+        # By hand, not http.cookies: one malformed cookie of another app on
+        # this host must not hide ours.
+        values = [part.split("=", 1)[1].strip() for part in cookie_header.split(";")
+                  if "=" in part and part.split("=", 1)[0].strip() == self.cookie_name]
         now = self.clock()
         with self._lock:
-            expires = self._sessions.get(_digest(morsel.value))
-            if expires is None:
-                return False
-            if expires < now:
-                self._sessions.pop(_digest(morsel.value), None)
-                return False
-            return True
+            for value in values[:4]:
+                expires = self._sessions.get(_digest(value))
+                if expires is None:
+                    continue
+                if expires < now:
+                    self._sessions.pop(_digest(value), None)
+                    continue
+                return True
+        return False
 
     def cookie(self, session: str) -> str:
         return (f"{self.cookie_name}={session}; Path=/; Max-Age={int(self.session_ttl)}; HttpOnly; "

@@ -470,3 +470,38 @@ def test_a_bundle_is_served_from_the_run_dir_only(tmp_path):
         assert pages.get("/runs/r1/bundles/hang-1/passwd") is None
     finally:
         collector.stop()
+
+
+def test_another_apps_malformed_cookie_does_not_hide_the_session():
+    from rankwatch.collector.pages import Sessions
+
+    sessions = Sessions()
+    code, _ = sessions.mint("/runs/r1")
+    session, target = sessions.redeem(code)
+    assert target == "/runs/r1" and sessions.redeem(code) is None
+    assert sessions.valid(f'theme="dark; x=\\"1; {sessions.cookie_name}={session}; other=2')
+    assert not sessions.valid(f"{sessions.cookie_name}=forged")
+    assert not Sessions().valid(f"{sessions.cookie_name}={session}")  # another collector's session
+
+
+def test_the_launcher_takes_a_collectors_page_data_only_when_it_says_what_the_report_says():
+    from rankwatch.node import launcher
+
+    run, report = page_load.synthetic(4, culprit=1)
+    model = pagedata.build(report, run)
+
+    class Remote:
+        answer = b""
+
+        def get(self, path, timeout=30):
+            assert path == f"/v1/runs/{report.run_id}/page"
+            return self.answer
+
+    remote = Remote()
+    remote.answer = wire.json_text(model).encode()
+    assert launcher._collector_page_model(report, remote)["culprits"] == [1]
+    lying = dict(model, verdicts=[])  # a collector that calls the run healthy
+    remote.answer = wire.json_text(lying).encode()
+    assert launcher._collector_page_model(report, remote) is None
+    remote.answer = b"<html>not json</html>"
+    assert launcher._collector_page_model(report, remote) is None

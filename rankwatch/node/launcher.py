@@ -348,6 +348,7 @@ def _finish(run_id, run_dir, supervisor, embedded, server, remote, interrupted, 
     this node saw; a run dir that cannot be written gives the report in the
     temp dir (or only the printed summary)."""
     report = None
+    collector_used = embedded is not None  # a standalone collector's: once its report is taken
     try:
         supervisor.stop()
         if relay is not None:
@@ -359,6 +360,7 @@ def _finish(run_id, run_dir, supervisor, embedded, server, remote, interrupted, 
             report = embedded.finish(run_id, interrupted=interrupted, exits=exits)
         else:
             report, problem = _collector_report(run_id, remote, interrupted, exits)
+            collector_used = problem is None
             if problem is not None:
                 _say(f"the collector at {remote.url} could not be used at the end ({problem}); "
                      f"reporting what this node saw")
@@ -366,6 +368,7 @@ def _finish(run_id, run_dir, supervisor, embedded, server, remote, interrupted, 
                                      note=f"the central collector ({remote.url}) could not be used: {problem}; "
                                           f"this report is built from what this node saw")
     except Exception as exc:
+        collector_used = False
         _say(f"analysis failed ({type(exc).__name__}: {exc}); reporting what this node saw")
         try:
             report = node_report(run_id, run_dir, _node_exits(exits, supervisor), interrupted,
@@ -377,8 +380,9 @@ def _finish(run_id, run_dir, supervisor, embedded, server, remote, interrupted, 
     finally:
         if report is not None:
             written = _write_report(report, run_dir)
-            _write_page(report, run_dir, written, embedded.runs.get(run_id) if embedded is not None else None,
-                        remote if embedded is None else None)
+            _write_page(report, run_dir, written,
+                        embedded.runs.get(run_id) if embedded is not None and collector_used else None,
+                        remote if embedded is None and collector_used else None)
         if server is not None:
             server.stop()
         if embedded is not None:
@@ -525,7 +529,7 @@ def _write_page(report: wire.Report, run_dir: Path, report_json: Optional[Path],
 
         model_source = None
         if run is None and remote is not None:
-            model_source = _collector_page_model(report.run_id, remote)
+            model_source = _collector_page_model(report, remote)
         if run is None and model_source is None:
             run = _node_state(report.run_id, run_dir)
         for path in ([target, fallback] if report_json is None or report_json.parent == run_dir else [fallback]):
@@ -545,15 +549,23 @@ def _write_page(report: wire.Report, run_dir: Path, report_json: Optional[Path],
     return None
 
 
-def _collector_page_model(run_id: str, remote: Any) -> Optional[dict]:
+def _collector_page_model(report: wire.Report, remote: Any) -> Optional[dict]:
     """A standalone collector's page data of the run (it holds every node's
-    evidence); None when it cannot be had (the node's own view is used)."""
+    evidence), when it says what the report says; None otherwise (the node's
+    own view is used)."""
+    from rankwatch.outputs import pagedata
+
     try:
-        raw = remote.get(f"/v1/runs/{run_id}/page", timeout=30)
+        raw = remote.get(f"/v1/runs/{report.run_id}/page", timeout=30)
         model = wire.parse_json(raw, "page data", limit=64 * 1024 * 1024)
     except Exception:
         return None
-    return model if isinstance(model, dict) and model.get("run_id") == run_id else None
+    if not isinstance(model, dict) or model.get("schema") != pagedata.SCHEMA or model.get("run_id") != report.run_id:
+        return None
+    said = [(v.get("kind"), v.get("ranks")) for v in model.get("verdicts") or [] if isinstance(v, dict)]
+    if said != [(v.kind, list(v.ranks)) for v in report.verdicts]:
+        return None
+    return model
 
 
 def _node_state(run_id: str, run_dir: Path) -> Any:
