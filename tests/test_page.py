@@ -505,3 +505,36 @@ def test_the_launcher_takes_a_collectors_page_data_only_when_it_says_what_the_re
     assert launcher._collector_page_model(report, remote) is None
     remote.answer = b"<html>not json</html>"
     assert launcher._collector_page_model(report, remote) is None
+
+
+def test_analyze_url_html_renders_a_collectors_page_data(served, tmp_path, monkeypatch, capsys):
+    """`rankwatch analyze http://collector/runs/ID --html FILE`: the bearer
+    token from the environment, the page written locally, no collector route
+    left in it (a file cannot follow them)."""
+    from rankwatch import cli
+
+    server, run_id = served
+    monkeypatch.setenv("RANKWATCH_TOKEN", TOKEN)
+    out = tmp_path / "page.html"
+    assert cli.main(["analyze", f"{server.url}/runs/{run_id}", "--html", str(out)]) == 0
+    page = out.read_text()
+    assert "train.py:94" in page and 'class="culprits">rank 5<' in page
+    assert 'href="/runs/' not in page and "connect-src &#x27;none&#x27;" in page
+    monkeypatch.setenv("RANKWATCH_TOKEN", "wrong")
+    assert cli.main(["analyze", f"{server.url}/runs/{run_id}", "--html", str(out)]) == 2
+    assert "HTTP 401 (set RANKWATCH_TOKEN)" in capsys.readouterr().err
+
+
+def test_analyze_html_of_one_bundle_archive(tmp_path):
+    from rankwatch import cli
+    from rankwatch.bundles import pack
+
+    manifest = wire.BundleManifest(run_id="r2", rank=1, local_rank=1, world_size=2, host="h", pid=1, step=3,
+                                   created_at=time.time(), reason="crash", incident="crash-1", torch_version="2.13.0")
+    archive = tmp_path / "rank-00001.tar.gz"
+    archive.write_bytes(pack(manifest, {"exception.json": {"type": "ValueError", "message": HOSTILE,
+                                                           "traceback": "Traceback ...\nValueError: " + HOSTILE}}))
+    out = tmp_path / "one.html"
+    assert cli.main(["analyze", str(archive), "--html", str(out)]) == 0
+    page = out.read_text()
+    assert "crash" in page and "ValueError" in page and HOSTILE not in page
