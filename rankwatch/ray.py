@@ -26,8 +26,8 @@ three roles, each in the process where Ray calls it:
 
 The run dir (report, bundles, collector index) is
 ``<storage_path>/<name>/rankwatch`` for local storage; for remote storage it is
-a local folder on the driver's node and ``report.json`` is also copied to
-``<storage_path>/<name>/rankwatch/report.json`` on the storage filesystem.
+a local folder on the driver's node and ``report.json`` (and ``report.html``)
+are also copied to ``<storage_path>/<name>/rankwatch/`` on the storage filesystem.
 
 Imports are absolute: this module is ``rankwatch.ray`` and must not shadow ``ray``.
 """
@@ -429,6 +429,10 @@ class RankwatchCallback(ControllerCallback, WorkerGroupCallback, WorkerCallback)
                         fs.create_dir(target.rsplit("/", 1)[0], recursive=True)
                         with fs.open_output_stream(target) as out:
                             out.write(path.read_bytes())
+                        page = path.with_name("report.html")
+                        if page.is_file():
+                            with fs.open_output_stream(target.rsplit("/", 1)[0] + "/report.html") as out:
+                                out.write(page.read_bytes())
                     except Exception as exc:
                         _say(f"could not copy the report to the storage ({type(exc).__name__}: {exc})")
                 print(report_mod.text(report), file=sys.stderr, flush=True)
