@@ -249,8 +249,7 @@ class Pages:
                 verdicts = []
             out[rid] = {"run_id": rid, "status": "faulty" if verdicts else "finished", "world_size": None,
                         "verdicts": len(verdicts), "kinds": sorted({v.kind for v in verdicts}), "started_at": None}
-        return sorted(out.values(), key=lambda r: (r["started_at"] is None, r["started_at"] or "", r["run_id"]),
-                      reverse=False)[::-1]
+        return sorted(out.values(), key=lambda r: r["started_at"] or "", reverse=True)  # newest first
 
     def run_page(self, run_id: str) -> Response:
         from rankwatch.outputs import html

@@ -321,12 +321,17 @@ def collector(argv: list[str]) -> int:
     service.start()
     server.start()
     print(f"rankwatch collector listening on {server.url} (data in {args.data_dir})", flush=True)
-    if cfg.token:
+    if not cfg.token:
+        print(f"pages: {server.url}/", flush=True)
+    elif sys.stdout.isatty() or cfg.bind.startswith("127.") or cfg.bind == "localhost":
+        # A one-time link is a credential for 10 minutes: printed to a person
+        # or for this machine only, never into the logs of a reachable service.
         code, ttl = server.routes.pages.sessions.mint("/")
         print(f"pages: {server.url}/login/{code} (one-time link, valid {int(ttl // 60)} min; "
               f"a new one: rankwatch collector link --url {server.url})", flush=True)
     else:
-        print(f"pages: {server.url}/", flush=True)
+        print(f"pages: {server.url}/ (a browser gets in with a one-time link: rankwatch collector link "
+              f"--url {server.url}, RANKWATCH_TOKEN set)", flush=True)
     stopping = []
 
     def stop(signum, frame):

@@ -538,3 +538,20 @@ def test_analyze_html_of_one_bundle_archive(tmp_path):
     assert cli.main(["analyze", str(archive), "--html", str(out)]) == 0
     page = out.read_text()
     assert "crash" in page and "ValueError" in page and HOSTILE not in page
+
+
+def test_a_link_for_a_reachable_collector_never_goes_to_a_log(capsys, monkeypatch):
+    """`rankwatch run --collector http://collector:8765` with its output in a
+    log (no terminal): the clean page URL and how to get a link, no link."""
+    from rankwatch.node import launcher
+
+    class Remote:
+        def post(self, *args, **kwargs):
+            raise AssertionError("no link is minted for a log")
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    launcher._announce_page("job-1", "http://collector.example:8765", None, None, Remote())
+    err = capsys.readouterr().err
+    assert "/login/" not in err
+    assert ("page: http://collector.example:8765/runs/job-1 (open it in a browser with a one-time link: "
+            "rankwatch collector link --url http://collector.example:8765 --run job-1)") in err

@@ -549,6 +549,13 @@ def _write_page(report: wire.Report, run_dir: Path, report_json: Optional[Path],
     return None
 
 
+def _loopback(url: str) -> bool:
+    import urllib.parse
+
+    host = (urllib.parse.urlsplit(url).hostname or "").lower()
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
 def _collector_page_model(report: wire.Report, remote: Any) -> Optional[dict]:
     """A standalone collector's page data of the run (it holds every node's
     evidence), when it says what the report says; None otherwise (the node's
@@ -581,8 +588,16 @@ def _node_state(run_id: str, run_dir: Path) -> Any:
 
 def _announce_page(run_id: str, collector_url: str, embedded: Any, server: Any, remote: Any) -> None:
     """Print a one-time link to the run's live page (the token never goes in
-    a URL); the embedded collector prints a fresh one with each verdict."""
+    a URL); the embedded collector prints a fresh one with each verdict.
+
+    A link is a credential for its 10 minutes: it is printed where only this
+    machine can use it (a collector on loopback) or to a person (a terminal),
+    never into a log a collector reachable from elsewhere would honour."""
     try:
+        if not (_loopback(collector_url) or sys.stderr.isatty()):
+            _say(f"page: {collector_url.rstrip('/')}/runs/{run_id} (open it in a browser with a one-time link: "
+                 f"rankwatch collector link --url {collector_url.rstrip('/')} --run {run_id})")
+            return
         if server is not None:
             sessions = server.routes.pages.sessions
             if not server.routes.token:
