@@ -9,6 +9,9 @@
     GET  /v1/status              runs, incidents, verdicts
     GET  /metrics                Prometheus exposition (when enabled)
     GET  /healthz                health probe (never needs the token)
+    GET  /, /runs/<id>, ...      the pages for people (collector/pages.py): the token, or
+                                 the session cookie a one-time link (POST /v1/login-links,
+                                 GET /login/<code>) gives a browser
 
 Two servers share one set of routes (`Routes`):
 
@@ -48,6 +51,7 @@ from .service import Collector, RequestError
 
 log = logging.getLogger("rankwatch.collector")
 
+_LOGIN_CODE = re.compile(r"/login/[A-Za-z0-9_-]+")
 _RUN_PATH = re.compile(r"^/v1/runs/([A-Za-z0-9_.-]{1,128})/(report|finish)$")
 
 REQUEST_TIMEOUT = 10.0  # seconds for a whole request (line, headers, body) once it started
@@ -96,6 +100,9 @@ class Routes:
         self.metrics_handler = metrics_handler
         self.metrics_open = metrics_open
         self._expected = f"Bearer {self.token}".encode() if self.token else b""
+        from .pages import Pages
+
+        self.pages = Pages(collector)
 
     # -- checks before the body is read ----------------------------------------------
     def needs_token(self, method: str, path: str) -> bool:
@@ -103,7 +110,9 @@ class Routes:
             return False
         if method == "GET" and (path == "/healthz" or (path == "/metrics" and self.metrics_open)):
             return False
-        return True
+        from .pages import is_login
+
+        return not is_login(method, path)  # a one-time link is its own credential
 
     def authorised(self, header: Optional[str]) -> bool:
         given = (header or "").encode("utf-8", "replace")
@@ -118,10 +127,16 @@ class Routes:
         return wire.MAX_MESSAGE_BYTES
 
     def precheck(self, method: str, path: str, authorization: Optional[str],
-                 length: Optional[str]) -> Optional[Response]:
-        """An answer before the body is read (auth, size), or None to go on."""
+                 length: Optional[str], cookie: Optional[str] = None) -> Optional[Response]:
+        """An answer before the body is read (auth, size), or None to go on.
+        The pages also take a browser's session cookie (never the API)."""
         if self.needs_token(method, path) and not self.authorised(authorization):
-            return _json(401, {"error": "missing or wrong bearer token"}, {"WWW-Authenticate": "Bearer"})
+            from .pages import is_page
+
+            if not is_page(method, path):
+                return _json(401, {"error": "missing or wrong bearer token"}, {"WWW-Authenticate": "Bearer"})
+            if not self.pages.sessions.valid(cookie):
+                return self.pages.refused()
         if method == "POST":
             if length is None:
                 return _json(411, {"error": "Content-Length required"})
@@ -162,6 +177,13 @@ class Routes:
         match = _RUN_PATH.match(path)
         if match and match.group(2) == "report":
             return _json(200, wire.to_dict(collector.report(match.group(1))))
+        from .pages import is_login
+
+        if is_login("GET", path):
+            return self.pages.login(path)
+        page = self.pages.get(path)
+        if page is not None:
+            return page
         return _json(404, {"error": f"no route {path}"})
 
     def _post(self, path: str, body: bytes, header: Callable[[str], Optional[str]]) -> Response:
@@ -179,6 +201,8 @@ class Routes:
             run_hint = header("X-Rankwatch-Run") or ""
             rank_hint = header("X-Rankwatch-Rank") or ""
             return _json(200, collector.ingest_bundle(body, run_hint=run_hint, rank_hint=rank_hint))
+        if path == "/v1/login-links":
+            return self.pages.mint_link(body)
         match = _RUN_PATH.match(path)
         if match and match.group(2) == "finish":
             request = wire.loads(wire.FinishRequest, body)
@@ -302,6 +326,8 @@ def _make_handler(routes: Routes):
                 self.close_connection = True
 
         def log_message(self, fmt: str, *args: Any) -> None:  # quiet; errors are logged by the routes
+            # A one-time link's code never reaches a log, even spent.
+            args = tuple(_LOGIN_CODE.sub("/login/<code>", a) if isinstance(a, str) else a for a in args)
             log.debug("%s " + fmt, self.address_string(), *args)
 
         def _send(self, response: Response) -> None:
@@ -323,7 +349,7 @@ def _make_handler(routes: Routes):
             path = self.path.split("?", 1)[0]
             try:
                 early = routes.precheck(method, path, self.headers.get("Authorization"),
-                                        self.headers.get("Content-Length"))
+                                        self.headers.get("Content-Length"), self.headers.get("Cookie"))
                 if early is not None:
                     self._send(early)
                     return
@@ -461,7 +487,7 @@ class AsyncCollectorServer:
             protocol = request.protocol
             method, path = request.method, request.path
             early = server.routes.precheck(method, path, request.headers.get("Authorization"),
-                                           request.headers.get("Content-Length"))
+                                           request.headers.get("Content-Length"), request.headers.get("Cookie"))
             if early is not None:
                 response = _aio_response(web, early)
                 response.force_close()

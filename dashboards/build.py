@@ -44,8 +44,24 @@ def q(expr: str, legend: str = "", ref: str = "A") -> prometheus.Dataquery:
     return query.legend_format(legend) if legend else query
 
 
+# The run's page on the collector (report.html, live): a dashboard link, and a
+# data link on every series that carries the run label. A browser gets in with
+# the collector's one-time link (rankwatch collector link).
+RUN_PAGE = "${collector}/runs/${run}"
+SERIES_RUN_PAGE = "${collector}/runs/${__field.labels.run}"
+
+
+def run_page_links() -> list[gdash.DashboardLink]:
+    return [gdash.DashboardLink("rankwatch page of run ${__field.labels.run}").type(mdash.DashboardLinkType.LINK)
+            .url(SERIES_RUN_PAGE).target_blank(True)]
+
+
 def variables(board: gdash.Dashboard, with_rank: bool = True) -> gdash.Dashboard:
     board = board.with_variable(gdash.DatasourceVariable("datasource").label("Data source").type("prometheus"))
+    board = board.with_variable(gdash.TextBoxVariable("collector").label("rankwatch collector URL")
+                                .default_value("http://127.0.0.1:8765"))
+    board = board.link(gdash.DashboardLink("rankwatch page of this run").type(mdash.DashboardLinkType.LINK)
+                       .url(RUN_PAGE).target_blank(True).icon("external link"))
     board = board.with_variable(
         gdash.QueryVariable("run").label("Job (run id)").datasource(DS)
         .query("label_values(rankwatch_world_size, run)").refresh(mdash.VariableRefresh.ON_TIME_RANGE_CHANGED))
@@ -70,7 +86,7 @@ def rank_heatmap(title: str, expr: str, unit: str, description: str) -> heatmap.
             .with_target(q(expr, "rank {{rank}}").format(mprom.PromQueryFormat.TIME_SERIES))
             .calculate(False).unit(unit).height(8).span(12)
             .color(heatmap.HeatmapColorOptions().mode(heatmap_color_mode()).scheme("Oranges").steps(64))
-            .show_legend().y_axis(heatmap.YAxisConfig().axis_label("rank")))
+            .show_legend().y_axis(heatmap.YAxisConfig().axis_label("rank")).data_links(run_page_links()))
 
 
 def heatmap_color_mode():
@@ -101,7 +117,8 @@ def overview() -> gdash.Dashboard:
             stat.Panel().title(f"{kind}").description(f"Verdicts of kind {kind} and the ranks they name.")
             .datasource(DS).height(3).span(3)
             .with_target(q(f'rankwatch_verdicts{{{RUN}, kind="{kind}"}}', kind))
-            .with_target(q(f'rankwatch_suspect_rank{{{RUN}, kind="{kind}"}}', "rank {{rank}}", "B")))
+            .with_target(q(f'rankwatch_suspect_rank{{{RUN}, kind="{kind}"}}', "rank {{rank}}", "B"))
+            .data_links(run_page_links()))
     board = board.with_row(gdash.Row("Progress"))
     board = board.with_panel(timeseries.Panel().title("Optimizer steps").datasource(DS).height(8).span(12)
                              .with_target(q(f"max(rankwatch_step{{{RUN}}})", "step")))

@@ -15,8 +15,8 @@ from . import config as config_mod
 
 COMMANDS = (
     ("run", "launch a job with torchrun (same options), watched; writes report.json"),
-    ("analyze", "rebuild and print the report of a run dir, a folder of bundles or one bundle"),
-    ("collector", "the standalone collector service for multi-node jobs (collector serve)"),
+    ("analyze", "rebuild and print the report of a run dir, a folder of bundles or one bundle (--html: its page)"),
+    ("collector", "the standalone collector service for multi-node jobs (collector serve, collector link)"),
     ("grafana", "push the dashboards to Grafana and annotate verdicts (grafana push)"),
 )
 
@@ -82,6 +82,8 @@ def analyze(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="print report.json instead of text")
     parser.add_argument("--plot", metavar="FILE.png", help="draw the run's per-rank picture (matplotlib)")
     parser.add_argument("--tensorboard", metavar="DIR", help="write per-rank series and verdicts for TensorBoard")
+    parser.add_argument("--html", metavar="FILE.html",
+                        help="write the run's page (report.html: self-contained, opens without network)")
     parser.add_argument("--config", default=None, help="YAML settings; on_<kind>: ignore silences a kind, as in the run")
     parser.add_argument("--run", dest="run_id", default=None,
                         help="which run of a collector's data dir (default: the newest)")
@@ -125,11 +127,96 @@ def analyze(argv: list[str]) -> int:
             except RuntimeError as exc:
                 print(f"rankwatch analyze: {exc}", file=sys.stderr)
                 return 2
+    if args.html:
+        try:
+            page = write_page(args.path, args.run_id, report, Path(args.html))
+        except AnalyzeError as exc:
+            print(f"rankwatch analyze: {exc}", file=sys.stderr)
+            return 2
+        except OSError as exc:
+            print(f"rankwatch analyze: {args.html}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+        print(f"page: {page}", file=sys.stderr)
     if args.json:
         print(wire.json_text(wire.to_dict(report), indent=2))  # strict JSON
     else:
         print(report_mod.text(report))
     return 0
+
+
+def write_page(path: str, run_id: str | None, report: wire.Report, target: Path) -> Path:
+    """``analyze --html``: the page of a run dir / bundle(s) (from the same
+    state the report was made from) or of a run on a collector (its page
+    data, checked as it is rendered)."""
+    from rankwatch.outputs import html
+
+    if path.startswith(("http://", "https://")):
+        model = fetch_page_model(path, os.environ.get("RANKWATCH_TOKEN"))
+        if model is None:
+            return html.write(report, target)  # an older collector: the report alone
+        model["verdicts"] = [v for v in model.get("verdicts") or []
+                             if isinstance(v, dict) and v.get("kind") in {x.kind for x in report.verdicts}]
+        model["status"] = report.status
+        return html.write_model(model, target)
+    from rankwatch.collector.offline import load
+
+    run, _ = load(Path(path), run_id)
+    return html.write(report, target, run)
+
+
+def _collector_get(url: str, suffix: str, token: str | None, timeout: float, limit: int) -> tuple[str, bytes]:
+    """GET ``suffix`` of the run a collector URL names (no redirects: the
+    token goes to one address only)."""
+    import re
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    from rankwatch.collector.offline import AnalyzeError
+
+    parts = urllib.parse.urlsplit(url)
+    match = re.fullmatch(r"/*(?:v1/)?runs/([^/]+)(?:/report|/page)?/*", parts.path)
+    if not match or not wire.ID_PATTERN.match(match.group(1)):
+        raise AnalyzeError(f"{url}: expected http://HOST:PORT/runs/RUN_ID")
+    endpoint = urllib.parse.urlunsplit((parts.scheme, parts.netloc, f"/v1/runs/{match.group(1)}/{suffix}", "", ""))
+
+    class NoRedirect(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, *args, **kwargs):
+            return None
+
+    request = urllib.request.Request(endpoint)
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.build_opener(NoRedirect).open(request, timeout=timeout) as response:
+            raw = response.read(limit + 1)
+    except urllib.error.HTTPError as exc:
+        hint = " (set RANKWATCH_TOKEN)" if exc.code in (401, 403) else ""
+        raise AnalyzeError(f"{endpoint}: HTTP {exc.code}{hint}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise AnalyzeError(f"{endpoint}: {getattr(exc, 'reason', exc)}") from None
+    if len(raw) > limit:
+        raise AnalyzeError(f"{endpoint}: answer larger than {limit} bytes")
+    return endpoint, raw
+
+
+def fetch_page_model(url: str, token: str | None, timeout: float = 60.0) -> dict | None:
+    """A run's page data from a collector (None from a collector without pages)."""
+    from rankwatch.collector.offline import AnalyzeError
+
+    try:
+        endpoint, raw = _collector_get(url, "page", token, timeout, 64 * 1024 * 1024)
+    except AnalyzeError as exc:
+        if "HTTP 404" in str(exc):
+            return None
+        raise
+    try:
+        model = wire.parse_json(raw, "page data", limit=64 * 1024 * 1024)
+    except wire.WireError as exc:
+        raise AnalyzeError(f"{endpoint}: not rankwatch page data ({exc})") from None
+    if not isinstance(model, dict) or model.get("schema") != "rankwatch.page/v1":
+        raise AnalyzeError(f"{endpoint}: not rankwatch page data")
+    return model
 
 
 def fetch_report(url: str, token: str | None, timeout: float = 30.0) -> wire.Report:
@@ -190,7 +277,13 @@ def collector(argv: list[str]) -> int:
     serve.add_argument("--server", choices=("auto", "aiohttp", "stdlib"), default="auto",
                        help="HTTP server: aiohttp (for many nodes; pip install 'rankwatch[collector]') or the "
                             "standard library's; auto (default) takes aiohttp when it is installed")
+    link = sub.add_parser("link", help="print a one-time link that opens the collector's pages in a browser")
+    link.add_argument("--url", default=os.environ.get("RANKWATCH_COLLECTOR"),
+                      help="the collector (or RANKWATCH_COLLECTOR); the token comes from RANKWATCH_TOKEN")
+    link.add_argument("--run", dest="run_id", default=None, help="open this run's page (default: the list of runs)")
     args = parser.parse_args(argv)
+    if args.action == "link":
+        return collector_link(args.url, args.run_id, os.environ.get("RANKWATCH_TOKEN"))
     from rankwatch.collector import Collector, CollectorServer
 
     cfg = config_mod.load(flags={"hang_timeout": args.hang_timeout, "on_hang": args.on_hang,
@@ -228,6 +321,17 @@ def collector(argv: list[str]) -> int:
     service.start()
     server.start()
     print(f"rankwatch collector listening on {server.url} (data in {args.data_dir})", flush=True)
+    if not cfg.token:
+        print(f"pages: {server.url}/", flush=True)
+    elif sys.stdout.isatty() or cfg.bind.startswith("127.") or cfg.bind == "localhost":
+        # A one-time link is a credential for 10 minutes: printed to a person
+        # or for this machine only, never into the logs of a reachable service.
+        code, ttl = server.routes.pages.sessions.mint("/")
+        print(f"pages: {server.url}/login/{code} (one-time link, valid {int(ttl // 60)} min; "
+              f"a new one: rankwatch collector link --url {server.url})", flush=True)
+    else:
+        print(f"pages: {server.url}/ (a browser gets in with a one-time link: rankwatch collector link "
+              f"--url {server.url}, RANKWATCH_TOKEN set)", flush=True)
     stopping = []
 
     def stop(signum, frame):
@@ -239,6 +343,49 @@ def collector(argv: list[str]) -> int:
         signal.pause() if hasattr(signal, "pause") else None
     server.stop()
     service.stop()
+    return 0
+
+
+def collector_link(url: str | None, run_id: str | None, token: str | None) -> int:
+    """``rankwatch collector link``: ask the collector for a one-time link to
+    its pages (the token stays in the environment, never in a URL)."""
+    import urllib.error
+    import urllib.request
+
+    if not url:
+        print("rankwatch collector link: --url (or RANKWATCH_COLLECTOR) is required", file=sys.stderr)
+        return 2
+    if run_id is not None and not wire.ID_PATTERN.match(run_id):
+        print(f"rankwatch collector link: {run_id!r} is not a run id", file=sys.stderr)
+        return 2
+    base = url.rstrip("/")
+
+    class NoRedirect(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, *args, **kwargs):
+            return None
+
+    body = json.dumps({"run_id": run_id} if run_id else {}).encode()
+    request = urllib.request.Request(base + "/v1/login-links", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.build_opener(NoRedirect).open(request, timeout=10) as response:
+            answer = json.loads(response.read(65536))
+    except urllib.error.HTTPError as exc:
+        hint = " (set RANKWATCH_TOKEN)" if exc.code in (401, 403) else ""
+        print(f"rankwatch collector link: {base}: HTTP {exc.code}{hint}", file=sys.stderr)
+        return 2
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        print(f"rankwatch collector link: {base}: {getattr(exc, 'reason', exc)}", file=sys.stderr)
+        return 2
+    path = answer.get("path") if isinstance(answer, dict) else None
+    if not isinstance(path, str) or not path.startswith("/login/"):
+        print(f"rankwatch collector link: {base} did not answer with a link", file=sys.stderr)
+        return 2
+    minutes = int(float(answer.get("expires_in_s") or 600) // 60)
+    print(f"{base}{path}")
+    print(f"(one-time link, valid {minutes} min)", file=sys.stderr)
     return 0
 
 

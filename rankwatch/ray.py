@@ -26,8 +26,8 @@ three roles, each in the process where Ray calls it:
 
 The run dir (report, bundles, collector index) is
 ``<storage_path>/<name>/rankwatch`` for local storage; for remote storage it is
-a local folder on the driver's node and ``report.json`` is also copied to
-``<storage_path>/<name>/rankwatch/report.json`` on the storage filesystem.
+a local folder on the driver's node and ``report.json`` (and ``report.html``)
+are also copied to ``<storage_path>/<name>/rankwatch/`` on the storage filesystem.
 
 Imports are absolute: this module is ``rankwatch.ray`` and must not shadow ``ray``.
 """
@@ -422,12 +422,17 @@ class RankwatchCallback(ControllerCallback, WorkerGroupCallback, WorkerCallback)
             if report is not None:
                 path = self._run_dir / "report.json"
                 report_mod.write(report, path)
+                self._write_page(report)
                 if self._storage is not None:
                     fs, target = self._storage
                     try:
                         fs.create_dir(target.rsplit("/", 1)[0], recursive=True)
                         with fs.open_output_stream(target) as out:
                             out.write(path.read_bytes())
+                        page = path.with_name("report.html")
+                        if page.is_file():
+                            with fs.open_output_stream(target.rsplit("/", 1)[0] + "/report.html") as out:
+                                out.write(page.read_bytes())
                     except Exception as exc:
                         _say(f"could not copy the report to the storage ({type(exc).__name__}: {exc})")
                 print(report_mod.text(report), file=sys.stderr, flush=True)
@@ -442,6 +447,24 @@ class RankwatchCallback(ControllerCallback, WorkerGroupCallback, WorkerCallback)
                 self._server.stop()
             if self._collector is not None:
                 self._collector.stop()
+
+    def _write_page(self, report: wire.Report) -> None:
+        """report.html next to report.json (one line if it cannot be made)."""
+        try:
+            from rankwatch.outputs import html
+
+            run = self._collector.runs.get(self.run_id) if self._collector is not None else None
+            if run is None:
+                from rankwatch.collector.offline import load
+
+                try:
+                    run, _ = load(self._run_dir)
+                except Exception:
+                    run = None
+            page = html.write(report, self._run_dir / "report.html", run, argv=sys.argv)
+            _say(f"page: {page}")
+        except Exception as exc:
+            _say(f"report.html not written ({type(exc).__name__}: {exc})")
 
     def _wait_for_crash_bundles(self, timeout: float = 3.0) -> None:
         """A rank whose loop raised sends its bundle on the way out."""

@@ -154,8 +154,9 @@ def test_run_then_analyze_without_the_extras(tmp_path, bare_env):
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     assert "Failed to initialize NumPy" not in done.stdout + done.stderr
     assert json.loads((run_dir / "report.json").read_text())["status"] == "healthy"
+    assert "HEALTHY" in (run_dir / "report.html").read_text()  # the page needs no extra
 
-    for args in ([str(run_dir)], [str(run_dir), "--json"]):
+    for args in ([str(run_dir)], [str(run_dir), "--json"], [str(run_dir), "--html", str(tmp_path / "p.html")]):
         done = _rankwatch(["analyze", *args], bare_env, tmp_path)
         assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
     _one_line_hint(_rankwatch(["analyze", str(run_dir), "--plot", str(tmp_path / "run.png")], bare_env, tmp_path),

@@ -71,6 +71,7 @@ def run_driver(cluster: str, tmp_path: Path, name: str, args: list[str], timeout
     output = proc.stdout + proc.stderr
     report_file = storage / name / "rankwatch" / "report.json"
     assert report_file.is_file(), f"no report.json (exit {proc.returncode}):\n{output[-5000:]}"
+    assert (report_file.parent / "report.html").is_file(), f"no report.html:\n{output[-5000:]}"
     job = RayJob(proc.returncode, json.loads(report_file.read_text()), output, elapsed,
                  report_file.stat().st_mtime, started)
     for v in job.verdicts():  # the figures the closing note quotes (pytest -s)

@@ -209,11 +209,29 @@ class _RemoteCollector:
         from rankwatch.agent.transport import Transport
 
         self.url = url.rstrip("/")
+        self._token = token
         self._transport = Transport(self.url, token=token, timeout=5.0)
 
     def post(self, path: str, body: bytes, content_type: str, timeout: float = 5.0,
              headers: Optional[dict[str, str]] = None) -> Any:
         return self._transport.post(path, body, content_type=content_type, headers=headers, timeout=timeout)
+
+    def get(self, path: str, timeout: float = 30.0, limit: int = 64 * 1024 * 1024) -> bytes:
+        """A GET of the collector's API (the run's page data at the end)."""
+        import urllib.request
+
+        class NoRedirect(urllib.request.HTTPRedirectHandler):
+            def redirect_request(self, *args, **kwargs):
+                return None  # the token goes to one address only
+
+        request = urllib.request.Request(self.url + path)
+        if self._token:
+            request.add_header("Authorization", f"Bearer {self._token}")
+        with urllib.request.build_opener(NoRedirect).open(request, timeout=timeout) as response:
+            data = response.read(limit + 1)
+        if len(data) > limit:
+            raise ValueError(f"answer of more than {limit} bytes")
+        return data
 
 
 def run(argv: list[str]) -> int:
@@ -287,6 +305,7 @@ def run(argv: list[str]) -> int:
     supervisor.start()
     _say(f"run {run_id}: collector {collector_url}{' (embedded)' if embedded else ''}, run dir {run_dir}"
          + (f", metrics {collector_url}/metrics" if embedded else ""))
+    _announce_page(run_id, collector_url, embedded, server, remote)
 
     exit_code = 0
     interrupted = False
@@ -329,6 +348,7 @@ def _finish(run_id, run_dir, supervisor, embedded, server, remote, interrupted, 
     this node saw; a run dir that cannot be written gives the report in the
     temp dir (or only the printed summary)."""
     report = None
+    collector_used = embedded is not None  # a standalone collector's: once its report is taken
     try:
         supervisor.stop()
         if relay is not None:
@@ -340,6 +360,7 @@ def _finish(run_id, run_dir, supervisor, embedded, server, remote, interrupted, 
             report = embedded.finish(run_id, interrupted=interrupted, exits=exits)
         else:
             report, problem = _collector_report(run_id, remote, interrupted, exits)
+            collector_used = problem is None
             if problem is not None:
                 _say(f"the collector at {remote.url} could not be used at the end ({problem}); "
                      f"reporting what this node saw")
@@ -347,6 +368,7 @@ def _finish(run_id, run_dir, supervisor, embedded, server, remote, interrupted, 
                                      note=f"the central collector ({remote.url}) could not be used: {problem}; "
                                           f"this report is built from what this node saw")
     except Exception as exc:
+        collector_used = False
         _say(f"analysis failed ({type(exc).__name__}: {exc}); reporting what this node saw")
         try:
             report = node_report(run_id, run_dir, _node_exits(exits, supervisor), interrupted,
@@ -357,7 +379,10 @@ def _finish(run_id, run_dir, supervisor, embedded, server, remote, interrupted, 
             report = exits_report(run_id, exits)
     finally:
         if report is not None:
-            _write_report(report, run_dir)
+            written = _write_report(report, run_dir)
+            _write_page(report, run_dir, written,
+                        embedded.runs.get(run_id) if embedded is not None and collector_used else None,
+                        remote if embedded is None and collector_used else None)
         if server is not None:
             server.stop()
         if embedded is not None:
@@ -455,10 +480,10 @@ def exits_report(run_id: str, exits: dict[int, tuple[int, float]], world_size: i
     return wire.Report(run_id=run_id, world_size=world, status="faulty", verdicts=[found])
 
 
-def _write_report(report: wire.Report, run_dir: Path) -> None:
+def _write_report(report: wire.Report, run_dir: Path) -> Optional[Path]:
     """report.json in the run dir; when that cannot be written (a full or
     read-only disk), in the temp dir, said in one line; the summary is
-    printed either way."""
+    printed either way. Returns where it went."""
     import tempfile
 
     from rankwatch.outputs import report as report_mod
@@ -485,6 +510,115 @@ def _write_report(report: wire.Report, run_dir: Path) -> None:
         _say(f"summary not printed ({type(exc).__name__}: {exc})")
     if written is not None:
         _say(f"report: {written}")
+    return written
+
+
+def _write_page(report: wire.Report, run_dir: Path, report_json: Optional[Path], run: Any,
+                remote: Any = None) -> Optional[Path]:
+    """report.html next to report.json (the temp dir's too). Made from the
+    report and the run's state: the embedded collector's, or a standalone
+    collector's page data, or what this node has (its run dir's bundles).
+    A page that cannot be made is one line, never a traceback or another
+    exit status."""
+    import tempfile
+
+    target = run_dir / "report.html"
+    fallback = Path(tempfile.gettempdir()) / f"rankwatch-{report.run_id}-report.html"
+    try:
+        from rankwatch.outputs import html
+
+        model_source = None
+        if run is None and remote is not None:
+            model_source = _collector_page_model(report, remote)
+        if run is None and model_source is None:
+            run = _node_state(report.run_id, run_dir)
+        for path in ([target, fallback] if report_json is None or report_json.parent == run_dir else [fallback]):
+            try:
+                if model_source is not None:
+                    html.write_model(model_source, path)
+                else:
+                    html.write(report, path, run, argv=sys.argv, env=dict(os.environ))
+            except OSError as exc:
+                _say(f"report.html could not be written to {path} ({exc.strerror or exc})"
+                     + ("; trying the temp dir" if path != fallback else ""))
+                continue
+            _say(f"page: {path}")
+            return path
+    except Exception as exc:
+        _say(f"report.html not written ({type(exc).__name__}: {exc})")
+    return None
+
+
+def _loopback(url: str) -> bool:
+    import urllib.parse
+
+    host = (urllib.parse.urlsplit(url).hostname or "").lower()
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def _collector_page_model(report: wire.Report, remote: Any) -> Optional[dict]:
+    """A standalone collector's page data of the run (it holds every node's
+    evidence), when it says what the report says; None otherwise (the node's
+    own view is used)."""
+    from rankwatch.outputs import pagedata
+
+    try:
+        raw = remote.get(f"/v1/runs/{report.run_id}/page", timeout=30)
+        model = wire.parse_json(raw, "page data", limit=64 * 1024 * 1024)
+    except Exception:
+        return None
+    if not isinstance(model, dict) or model.get("schema") != pagedata.SCHEMA or model.get("run_id") != report.run_id:
+        return None
+    said = [(v.get("kind"), v.get("ranks")) for v in model.get("verdicts") or [] if isinstance(v, dict)]
+    if said != [(v.kind, list(v.ranks)) for v in report.verdicts]:
+        return None
+    return model
+
+
+def _node_state(run_id: str, run_dir: Path) -> Any:
+    """What this node has of the run: the bundles in its run dir."""
+    from rankwatch.collector.offline import AnalyzeError, load
+
+    try:
+        run, _problems = load(run_dir)
+    except (AnalyzeError, OSError, ValueError):
+        return None
+    return run if run.run_id == run_id else None
+
+
+def _announce_page(run_id: str, collector_url: str, embedded: Any, server: Any, remote: Any) -> None:
+    """Print a one-time link to the run's live page (the token never goes in
+    a URL); the embedded collector prints a fresh one with each verdict.
+
+    A link is a credential for its 10 minutes: it is printed where only this
+    machine can use it (a collector on loopback) or to a person (a terminal),
+    never into a log a collector reachable from elsewhere would honour."""
+    try:
+        if not (_loopback(collector_url) or sys.stderr.isatty()):
+            _say(f"page: {collector_url.rstrip('/')}/runs/{run_id} (open it in a browser with a one-time link: "
+                 f"rankwatch collector link --url {collector_url.rstrip('/')} --run {run_id})")
+            return
+        if server is not None:
+            sessions = server.routes.pages.sessions
+            if not server.routes.token:
+                _say(f"page: {collector_url}/runs/{run_id}")
+                return
+
+            def link() -> str:
+                code, ttl = sessions.mint(f"/runs/{run_id}")
+                return f"{collector_url}/login/{code} (one-time link, valid {int(ttl // 60)} min)"
+
+            _say(f"page: {link()}")
+            if embedded is not None:
+                embedded.on_verdict.append(lambda rid, verdict: rid == run_id and _say(f"page: {link()}"))
+            return
+        answer = remote.post("/v1/login-links", json.dumps({"run_id": run_id}).encode(), "application/json",
+                             timeout=5)
+        if isinstance(answer, dict) and isinstance(answer.get("path"), str) and answer["path"].startswith("/login/"):
+            minutes = int(float(answer.get("expires_in_s") or 600) // 60)
+            _say(f"page: {collector_url.rstrip('/')}{answer['path']} (one-time link, valid {minutes} min)")
+    except Exception:
+        pass  # an older collector without pages: the run goes on, report.html is written at the end
 
 
 def _upload_spool(run_dir: Path, remote: Any) -> None:

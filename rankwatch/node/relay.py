@@ -281,8 +281,9 @@ class _RelayRoutes:
         self.relay = relay
         self._auth = Routes(None, token)  # type: ignore[arg-type]
 
-    def precheck(self, method: str, path: str, authorization: Optional[str], length: Optional[str]):
-        return self._auth.precheck(method, path, authorization, length)
+    def precheck(self, method: str, path: str, authorization: Optional[str], length: Optional[str],
+                 cookie: Optional[str] = None):
+        return self._auth.precheck(method, path, authorization, length)  # no pages here: a cookie opens nothing
 
     def handle(self, method: str, path: str, body: bytes, header: Callable[[str], Optional[str]]):
         from rankwatch.collector.server import _json

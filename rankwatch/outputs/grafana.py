@@ -21,7 +21,7 @@ from rankwatch import wire
 
 log = logging.getLogger("rankwatch.outputs.grafana")
 
-DASHBOARDS_DIR = Path(__file__).resolve().parents[1] / "dashboards"
+DASHBOARDS_DIR = Path(__file__).resolve().parents[2] / "dashboards"  # the source tree's dashboards/
 DATASOURCE_NAME = "rankwatch-prometheus"
 
 

@@ -1,0 +1,272 @@
+"""report.html in a real browser: Debian's Chromium driven by Playwright (no
+browser is downloaded), for real gloo jobs of each kind (a hang, a NaN, a
+straggler, a healthy run), opened from file:// with every network request
+refused; and the live page of a running job on its collector, refused
+without the credential and shown with the one-time link `rankwatch run`
+printed.
+
+Each page: no console error, no request leaves the file, and what a person
+looks for is on screen (the culprit rank, the stuck source line, the first
+sequence number where the ranks part). A screenshot of each is kept under the
+test's tmp dir (RANKWATCH_SCREENSHOTS=DIR keeps copies there too).
+
+Without Chromium or Playwright these tests skip, saying why; with CI (or
+RANKWATCH_REQUIRE_BROWSER=1) set they fail instead: .ci/run installs Debian's
+chromium and requires them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import TRAIN, run_job, wait_until, worker_env
+
+pytestmark = pytest.mark.slow
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]
+
+
+def _missing() -> str | None:
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "the playwright Python package is not installed (pip install -e '.[dev]')"
+    if not os.access(CHROMIUM, os.X_OK):
+        return f"no Chromium at {CHROMIUM} (Debian: apt-get install chromium)"
+    return None
+
+
+@pytest.fixture(scope="module")
+def browser():
+    missing = _missing()
+    if missing:
+        if os.environ.get("CI") or os.environ.get("RANKWATCH_REQUIRE_BROWSER"):
+            pytest.fail(f"the page tests need a browser here: {missing}")
+        pytest.skip(missing)
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory):
+    return tmp_path_factory.mktemp("screenshots")
+
+
+class Visit:
+    """A browser tab that records console errors, page errors and requests."""
+
+    def __init__(self, browser, offline: bool):
+        self.context = browser.new_context(viewport={"width": 1360, "height": 900})
+        self.page = self.context.new_page()
+        self.errors: list[str] = []
+        self.requests: list[str] = []
+        self.page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
+        self.page.on("pageerror", lambda exc: self.errors.append(str(exc)))
+        self.page.on("request", lambda r: self.requests.append(r.url))
+        if offline:
+            self.page.route("**/*", lambda route: route.continue_() if route.request.url.startswith("file:")
+                            else route.abort())
+
+    def open_file(self, path: Path):
+        self.page.goto(path.as_uri(), wait_until="load")
+        self.page.wait_for_selector("html[data-rw-ready]", state="attached", timeout=20_000)
+        return self.page
+
+    def shot(self, folder: Path, name: str) -> Path:
+        path = folder / f"{name}.png"
+        self.page.screenshot(path=str(path), full_page=True)
+        keep = os.environ.get("RANKWATCH_SCREENSHOTS")
+        if keep:
+            Path(keep).mkdir(parents=True, exist_ok=True)
+            shutil.copy(path, Path(keep) / path.name)
+        return path
+
+    def close(self):
+        self.context.close()
+
+
+def _check_offline_page(visit: Visit, job) -> None:
+    page = visit.page
+    assert not visit.errors, visit.errors
+    assert all(u.startswith("file:") for u in visit.requests), visit.requests
+    assert page.locator(".uplot canvas").count() >= 1, "the timelines were drawn"
+    assert page.locator("#rw-hm").is_visible()
+    for v in job.report["verdicts"]:  # the same facts as report.json
+        assert page.get_by_text(v["summary"][:60], exact=False).first.is_visible()
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """One real job per kind, made once for the module."""
+    made = {}
+
+    def job(kind: str):
+        if kind not in made:
+            tmp = tmp_path_factory.mktemp(kind)
+            args = {
+                "hang": ["--nproc-per-node", "3", "--hang-timeout", "8", str(TRAIN), "--steps", "40",
+                         "--fault", "hang", "--fault-rank", "1", "--fault-step", "6"],
+                "nan": ["--nproc-per-node", "2", str(TRAIN), "--steps", "14", "--fault", "nan",
+                        "--fault-rank", "1", "--fault-step", "6"],
+                "straggler": ["--nproc-per-node", "2", str(TRAIN), "--steps", "40", "--fault", "slow",
+                              "--fault-rank", "1", "--fault-step", "0", "--fault-size", "120"],
+                "healthy": ["--nproc-per-node", "2", str(TRAIN), "--steps", "16"],
+            }[kind]
+            made[kind] = run_job(tmp, args)
+            assert (made[kind].run_dir / "report.html").is_file(), made[kind].output[-3000:]
+        return made[kind]
+
+    return job
+
+
+def test_a_hangs_page_shows_the_culprit_its_line_and_where_the_ranks_part(browser, jobs, shots):
+    job = jobs("hang")
+    hang = job.only("hang")
+    assert hang["ranks"] == [1]
+    visit = Visit(browser, offline=True)
+    try:
+        page = visit.open_file(job.run_dir / "report.html")
+        card = page.locator("article.verdict.kind-hang")
+        assert card.locator(".culprits").inner_text() == "rank 1"
+        line = re.search(r"train\.py:(\d+) in main", hang["summary"]).group(0)
+        stuck = card.locator(".stack-group.culprit .stuck-line").first
+        assert stuck.is_visible() and stuck.inner_text() == line.split(" in ")[0]
+        assert "time.sleep(3600)" in card.locator(".stack-group.culprit pre.source-line").first.inner_text()
+        parting = card.locator(".parting-seq").first
+        assert parting.is_visible() and parting.inner_text() == f"#{hang['evidence']['waiting_at']['0']}"
+        behind = card.locator("table.align tr.behind")
+        assert behind.count() == 1 and behind.first.locator("td").first.inner_text() == "rank 1"
+        assert card.locator(".stack-group.common .ranks").first.inner_text() == "ranks 0, 2"
+        _check_offline_page(visit, job)
+        visit.shot(shots, "hang")
+    finally:
+        visit.close()
+
+
+def test_a_nan_page_names_the_origin_rank(browser, jobs, shots):
+    job = jobs("nan")
+    nonfinite = job.only("nonfinite")
+    visit = Visit(browser, offline=True)
+    try:
+        page = visit.open_file(job.run_dir / "report.html")
+        card = page.locator("article.verdict.kind-nonfinite")
+        assert card.locator(".culprits").inner_text() == f"rank {nonfinite['ranks'][0]}"
+        assert card.locator(".facts .step").inner_text() == str(nonfinite["step"])
+        assert card.locator("table.per-rank tr.culprit").count() >= 1
+        assert page.locator('figure.chart[data-metric="loss"] .uplot').count() == 1
+        _check_offline_page(visit, job)
+        visit.shot(shots, "nan")
+    finally:
+        visit.close()
+
+
+def test_a_stragglers_page_names_the_slow_rank(browser, jobs, shots):
+    job = jobs("straggler")
+    straggler = job.only("straggler")
+    visit = Visit(browser, offline=True)
+    try:
+        page = visit.open_file(job.run_dir / "report.html")
+        card = page.locator("article.verdict.kind-straggler")
+        assert card.locator(".culprits").inner_text() == f"rank {straggler['ranks'][0]}"
+        assert card.locator("table.per-rank tr.culprit td.rank").first.inner_text() == str(straggler["ranks"][0])
+        assert page.locator('figure.chart[data-metric="compute_s"] .uplot').count() == 1
+        _check_offline_page(visit, job)
+        visit.shot(shots, "straggler")
+    finally:
+        visit.close()
+
+
+def test_a_healthy_page_says_healthy(browser, jobs, shots):
+    job = jobs("healthy")
+    assert job.report["status"] == "healthy"
+    visit = Visit(browser, offline=True)
+    try:
+        page = visit.open_file(job.run_dir / "report.html")
+        assert page.locator("#rw-status").inner_text() == "HEALTHY"
+        assert page.get_by_text("No faults found: 2 ranks").is_visible()
+        assert page.locator("article.verdict:not(.healthy-card)").count() == 0
+        _check_offline_page(visit, job)
+        visit.shot(shots, "healthy")
+    finally:
+        visit.close()
+
+
+def test_the_live_page_of_a_running_job_needs_the_printed_link(browser, tmp_path, shots):
+    """A hung job left running (--on-hang wait) with its embedded collector:
+    the page refuses a browser without the credential; the one-time link that
+    `rankwatch run` printed opens it at the clean URL, and the page shows the
+    hang when the verdict comes, without a reload."""
+    cmd = [sys.executable, "-m", "rankwatch.cli", "run", "--run-dir", str(tmp_path / "run"), "--on-hang", "wait",
+           "--hang-timeout", "8", "--nproc-per-node", "2", str(TRAIN), "--steps", "200", "--fault", "hang",
+           "--fault-rank", "1", "--fault-step", "8"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: [lines.append(l) for l in proc.stdout], daemon=True)
+    reader.start()
+    try:
+        link_line = wait_until(lambda: next((l for l in lines if "[rankwatch] page: http" in l), None), 90,
+                               what="the printed page link")
+        link = re.search(r"(http://\S+/login/\S+)", link_line).group(1)
+        run_id = re.search(r"\[rankwatch\] run (\S+):", "".join(lines)).group(1)
+        base = link.split("/login/")[0]
+        # Without the credential: refused, nothing of the run shown.
+        stranger = Visit(browser, offline=False)
+        try:
+            response = stranger.page.goto(f"{base}/runs/{run_id}")
+            assert response.status == 401
+            assert stranger.page.get_by_text("This page needs a rankwatch link").is_visible()
+            assert run_id not in stranger.page.content()
+            assert stranger.page.goto(f"{base}/v1/runs/{run_id}/page").status == 401
+        finally:
+            stranger.close()
+        visit = Visit(browser, offline=False)
+        try:
+            visit.page.goto(link)
+            visit.page.wait_for_url(f"{base}/runs/{run_id}", timeout=10_000)  # the code is left behind
+            visit.page.wait_for_selector("html[data-rw-ready]", state="attached", timeout=20_000)
+            assert visit.page.locator("#rw-live").is_visible()
+            card = visit.page.locator("article.verdict.kind-hang .culprits")
+            card.wait_for(timeout=60_000)  # the live page refreshes until the verdict is there
+            assert card.inner_text() == "rank 1"
+            assert visit.page.locator(".stack-group.culprit .stuck-line").first.is_visible()
+            assert visit.page.locator(".parting-seq").first.is_visible()
+            assert not visit.errors, visit.errors
+            assert all(u.startswith(base) for u in visit.requests), visit.requests
+            visit.shot(shots, "live-hang")
+            # The link was for one use: a second browser cannot use it again.
+            again = Visit(browser, offline=False)
+            try:
+                assert again.page.goto(link).status == 403
+                assert again.page.goto(f"{base}/runs/{run_id}").status == 401
+            finally:
+                again.close()
+        finally:
+            visit.close()
+        token = re.search(r"RANKWATCH_TOKEN=(\S+)", "".join(lines))
+        assert token is None  # the launcher never prints its token
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+    assert (tmp_path / "run" / "report.html").is_file(), "".join(lines)[-3000:]
