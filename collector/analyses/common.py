@@ -343,8 +343,16 @@ def _seal_steps(run, sealer: _Sealer, live: list[int], active: list, final: bool
 def _seal_prints(run, sealer: _Sealer, live: list[int], active: list, final: bool) -> None:
     if not sealer.prints:
         return
-    limit = _limit(sealer.print_frontier, [r for r in live if r in sealer.print_frontier] or live,
-                   sealer.prints, 0, final)
+    # A fingerprint of step p arrives by the rank's record of p + SEAL_LAG (a GPU
+    # reads it a step late): a rank that sent neither blocks p; one whose
+    # records went past that without one does not fingerprint p (a rank that
+    # never fingerprints, or a sampled-out step), so p's comparison need not
+    # wait for it. Sealing on the prints alone compared a first fingerprint
+    # step with whichever ranks' prints had come first.
+    if final or not live:
+        limit = max(sealer.prints)
+    else:
+        limit = min(max(sealer.print_frontier.get(r, -1), sealer.frontier.get(r, -1) - SEAL_LAG) for r in live)
     hooks = [t.on_prints for t in active if hasattr(t, "on_prints")]
     for step in sorted(sealer.prints):
         if step > limit and len(sealer.prints) <= PENDING_PRINTS:

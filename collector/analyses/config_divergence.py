@@ -82,16 +82,27 @@ class Tracker:
         self.facts: dict[int, dict[str, str]] = {}
         self.sites: dict[int, dict[str, str]] = {}
         self.changed = False
+        self.frontier: dict[int, int] = {}  # each rank's newest step record
+        self._deferred_values: Optional[dict] = None
         self.replicas: Optional[bool] = None
         self.finding: Optional[dict] = None
         self._slow: Optional[tuple[int, dict]] = None  # a difference in slow facts only, at one step
+        # Parameters differing without DDP before the start fingerprints said whether the ranks are replicas.
+        self._deferred: Optional[tuple[int, dict, dict]] = None
 
     def on_event(self, run: RunState, rank: int, event: wire.Event) -> None:
         self.events.add(rank, event)
 
+    def on_record(self, run: RunState, rank: int, record: wire.StepRecord) -> None:
+        if record.step > self.frontier.get(rank, -1):
+            self.frontier[rank] = record.step
+
     def on_prints(self, run: RunState, step: int, prints: dict[int, dict]) -> None:
         if self.replicas is None and any(fp.get("at") == "start" for fp in prints.values()):
             self.replicas = start_replicas(prints)
+            deferred, self._deferred = self._deferred, None
+            if self.replicas and deferred is not None and self.finding is None:
+                self._finding(run, *deferred)  # the parameters differed from that step: replicas after all
 
     def on_step(self, run: RunState, step: int, records: dict[int, wire.StepRecord]) -> None:
         for rank, event in self.events.due(step):
@@ -117,9 +128,15 @@ class Tracker:
                 else:
                     found[OPTIMIZER] = {r: f"#{v:013x}" for r, v in optim.items()}
         if self.changed or self._slow is not None:
+            # Facts as of this step: every rank that has reached it (at scale a
+            # sealed step holds only the ranks whose sampled records include it).
             self.changed = False
-            for ranks in groups:
+            reached = {r: None for r in self.facts if self.frontier.get(r, -1) >= step}
+            self._deferred_values = None
+            for ranks in self._groups(reached):
                 found.update(self._compare(ranks))
+            if self._deferred_values is not None and self._deferred is None:
+                self._deferred = (step, records, {"params": self._deferred_values})
         slow_only = bool(found) and all(k in SLOW_KEYS for k in found)
         if slow_only:
             previous, self._slow = self._slow, (step, found)
@@ -131,10 +148,10 @@ class Tracker:
         if found:
             self._finding(run, step, records, found)
 
-    def _groups(self, records: dict[int, wire.StepRecord]) -> list[list[int]]:
+    def _groups(self, ranks) -> list[list[int]]:
         """Ranks of one data-parallel group (the DDP's process group) together."""
         groups: dict[str, list[int]] = {}
-        for rank in sorted(records):
+        for rank in sorted(ranks):
             facts = self.facts.get(rank)
             key = facts.get("replicas", "none") if facts else "none"
             groups.setdefault(key, []).append(rank)
@@ -153,11 +170,15 @@ class Tracker:
         for key in sorted(keys):
             if key in NOT_COMPARED or (key == "batches_per_epoch" and joined):
                 continue
-            if key == "params" and no_ddp and not self.replicas:
-                continue  # without DDP, only replicas must hold the same parameters
             values = {r: self.facts[r][key] for r in with_facts if key in self.facts[r]}
-            if len(values) >= 2 and len(set(values.values())) > 1:
-                out[key] = values
+            if len(values) < 2 or len(set(values.values())) <= 1:
+                continue
+            if key == "params" and no_ddp and not self.replicas:
+                # Without DDP, only replicas must hold the same parameters: known from the start fingerprints.
+                if self.replicas is None and self._deferred is None:
+                    self._deferred_values = values
+                continue
+            out[key] = values
         return out
 
     def _finding(self, run: RunState, step: int, records: dict[int, wire.StepRecord],
@@ -178,7 +199,7 @@ class Tracker:
             culprits.update(odd)
             per_key[key] = odd
         ranks = sorted(culprits)
-        ended = [records[r].ended_at for r in ranks if r in records]
+        ended = [records[r].ended_at for r in ranks if r in records] or [rec.ended_at for rec in records.values()]
         self.finding = {"step": step, "ranks": ranks, "found": found, "per_key": per_key,
                         "first_at": min(ended) if ended else None,
                         "sites": {key: {r: self.sites.get(r, {}).get(key, "") for r in values}

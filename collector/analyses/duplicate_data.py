@@ -30,6 +30,7 @@ from .common import StepEvents, pairs, ranks_text, register_tracker, settle, tra
 from .weight_divergence import start_replicas
 
 STREAK = 3  # compared steps in a row (the bound is 8)
+WAITING = 16  # steps held back until the start fingerprints say whether ranks without DDP are replicas
 
 
 class Tracker:
@@ -40,6 +41,7 @@ class Tracker:
         self.repeat: Optional[dict] = None
         self._events = StepEvents(("train_config", "batch_repeat"))
         self._streak: Optional[dict] = None
+        self._waiting: list[tuple[int, dict]] = []  # steps of ranks without DDP, until replicas are known
 
     def on_event(self, run: RunState, rank: int, event: wire.Event) -> None:
         self._events.add(rank, event)
@@ -47,6 +49,10 @@ class Tracker:
     def on_prints(self, run: RunState, step: int, prints: dict[int, dict]) -> None:
         if self.replicas is None and any(fp.get("at") == "start" for fp in prints.values()):
             self.replicas = start_replicas(prints)
+            waiting, self._waiting = self._waiting, []
+            if self.replicas:  # the ranks without DDP are replicas after all: judge the steps held back
+                for held in waiting:
+                    self._judge(*held)
 
     def on_step(self, run: RunState, step: int, records: dict[int, wire.StepRecord]) -> None:
         repeats = []
@@ -66,32 +72,40 @@ class Tracker:
                            "first_at": min(ended) if ended else None}
         if self.finding is not None:
             return
+        fps = {r: (self.groups.get(r, "none"), rec.batch_fp, rec.ended_at) for r, rec in records.items()
+               if rec.batch_fp is not None}
+        if self.replicas is None and any(g == "none" for g, _, _ in fps.values()):
+            # Without DDP, only replicas must see different data: wait for the start fingerprints.
+            if len(self._waiting) < WAITING:
+                self._waiting.append((step, fps))
+            return
+        self._judge(step, fps)
+
+    def _judge(self, step: int, fps: dict[int, tuple[str, int, float]]) -> None:
+        if self.finding is not None:
+            return
         by_group: dict[tuple[str, int], list[int]] = {}
         seen: set[int] = set()
-        for rank, record in records.items():
-            fp = record.batch_fp
-            if fp is None:
-                continue
-            group = self.groups.get(rank, "none")
+        for rank, (group, fp, _) in fps.items():
             if group == "none" and not self.replicas:
-                continue  # without DDP, only replicas must see different data
+                continue
             seen.add(rank)
             by_group.setdefault((group, fp), []).append(rank)
         shared = {r for ranks in by_group.values() if len(ranks) >= 2 for r in ranks}
         streak = self._streak
         if streak is None:
             if shared:
-                self._streak = {"start": step, "ranks": shared, "steps": 1, "records": records}
+                self._streak = {"start": step, "ranks": shared, "steps": 1, "fps": fps}
             return
         # A rank without a fingerprint at this step neither confirms nor breaks its streak.
         kept = {r for r in streak["ranks"] if r in shared or r not in seen}
         if len(kept) < 2:
-            self._streak = {"start": step, "ranks": shared, "steps": 1, "records": records} if shared else None
+            self._streak = {"start": step, "ranks": shared, "steps": 1, "fps": fps} if shared else None
             return
         streak["ranks"], streak["steps"] = kept, streak["steps"] + 1
         if streak["steps"] >= STREAK:
-            first = streak["records"]
-            ended = [first[r].ended_at for r in kept if r in first]
+            first = streak["fps"]
+            ended = [first[r][2] for r in kept if r in first]
             groups = {}
             for (group, fp), ranks in by_group.items():
                 mine = sorted(r for r in ranks if r in kept)

@@ -15,9 +15,12 @@ exit 0.
     --fault no_zero_grad     optimizer.zero_grad() is never called
     --fault accum_rank       the faulty rank accumulates 2 micro-batches per step, the others 1
     --fault expect_same      a value declared equal (a tokenizer digest) differs on the faulty rank
+    --fault unsynced_start   no DDP: gradients all-reduced by hand, a per-rank seed before the model
+                             is built and no broadcast of the weights
 """
 
 import argparse
+import time
 
 import torch
 import torch.distributed as dist
@@ -45,6 +48,7 @@ def main():
     p.add_argument("--fault", default="none")
     p.add_argument("--fault-rank", type=int, default=1)
     p.add_argument("--fault-step", type=int, default=3)
+    p.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (every rank)")
     a = p.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -61,11 +65,14 @@ def main():
     else:
         sampler = DistributedSampler(data, seed=0)
         loader = DataLoader(data, batch_size=a.batch, sampler=sampler)
+    hand_dp = a.fault == "unsynced_start"
+    if hand_dp:
+        torch.manual_seed(1234 + rank)  # "different seeds per rank" for dropout, set before the model
     net = Classifier()
     optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
     if a.fault == "head_replaced":
         net.head = nn.Linear(32, 4)  # a fresh head for the task, after the optimizer was built
-    model = DDP(net)
+    model = net if hand_dp else DDP(net)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
     if a.fault == "expect_same":
         import rankwatch.agent
@@ -92,11 +99,15 @@ def main():
             for micro in range(accum):
                 through_module = a.fault == "module_forward" and step >= a.fault_step and step % 2 == 1
                 forward = model.module if through_module else model
-                sync = model.no_sync() if micro < accum - 1 else torch.enable_grad()
+                sync = model.no_sync() if micro < accum - 1 and not hand_dp else torch.enable_grad()
                 with sync, torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_autocast and step >= a.fault_step):
                     out = forward(xb)
                     loss = nn.functional.cross_entropy(out.float(), yb) / accum
                     loss.backward()
+            if hand_dp:  # data parallelism by hand: average the gradients
+                for param in net.parameters():
+                    dist.all_reduce(param.grad)
+                    param.grad /= world
             if a.fault == "clip_rank" and faulty and step >= a.fault_step:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
             optimizer.step()
@@ -109,6 +120,8 @@ def main():
                 with torch.no_grad():
                     model(xb)
                 # ... and no model.train() after it
+            if a.step_time:
+                time.sleep(a.step_time)
             step += 1
         epoch += 1
     if rank == 0:
