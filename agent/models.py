@@ -141,6 +141,8 @@ def without_our_hooks(state: Any) -> Any:
 
 
 def _compiling() -> bool:
+    if "torch._dynamo" not in sys.modules:
+        return False  # nothing compiles without dynamo loaded (and asking would load it: ~1 s)
     try:
         return bool(torch.compiler.is_compiling())
     except Exception:
@@ -179,14 +181,29 @@ _SKIPPED: Optional[tuple[str, ...]] = None
 _STDLIB = re.compile(r"[\\/]lib[\\/]python3\.\d+[\\/](?!site-packages|dist-packages)")
 
 
-def user_site(depth: int = 1) -> Optional[str]:
-    """'train.py:42': the innermost calling frame outside torch, rankwatch
-    and Python's own machinery (only asked for rare events)."""
+_SITE_FILES: dict[str, bool] = {}  # filename -> is the user's (realpath once per file)
+
+
+def _users(name: str) -> bool:
     import os
 
-    global _SKIPPED
-    if _SKIPPED is None:
-        _SKIPPED = _own_dirs()
+    known = _SITE_FILES.get(name)
+    if known is None:
+        global _SKIPPED
+        if _SKIPPED is None:
+            _SKIPPED = _own_dirs()
+        real = os.path.realpath(name) if not name.startswith("<") else name
+        known = not real.startswith(_SKIPPED) and not name.startswith("<") and not _STDLIB.search(real)
+        if len(_SITE_FILES) < 4096:
+            _SITE_FILES[name] = known
+    return known
+
+
+def user_site(depth: int = 1) -> Optional[str]:
+    """'train.py:42': the innermost calling frame outside torch, rankwatch
+    and Python's own machinery (asked when a fact changes, not per step)."""
+    import os
+
     try:
         frame = sys._getframe(depth)
     except ValueError:
@@ -195,8 +212,7 @@ def user_site(depth: int = 1) -> Optional[str]:
         if frame is None:
             return None
         name = frame.f_code.co_filename
-        real = os.path.realpath(name) if not name.startswith("<") else name
-        if not real.startswith(_SKIPPED) and not name.startswith("<") and not _STDLIB.search(real):
+        if _users(name):
             return f"{os.path.basename(name)}:{frame.f_lineno}"
         frame = frame.f_back
     return None

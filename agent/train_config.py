@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import math
 import weakref
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -73,11 +72,12 @@ def _num(value: Any) -> Optional[float]:
 
 
 def _rounded(value: Optional[float]) -> float:
+    """A digest part: None and NaN as fixed stand-ins (their hashes are not stable across processes)."""
     if value is None:
         return _MISSING
-    if not math.isfinite(value):
-        return 1.5e308 if value != value else value
-    return float(f"{value:.9g}")
+    if value != value:
+        return 1.5e308
+    return value
 
 
 def bounded_value(value: Any) -> str:
@@ -273,8 +273,8 @@ class TrainConfig:
             text = f"value {_short(limit)}"
         if text not in self._clips and len(self._clips) < 8:
             self._clips.append(text)
-            if not self.sites.get("clip"):
-                self.sites["clip"] = user_site() or ""
+            if text not in self.sent.get("clip", "") and not self.sites.get("clip"):
+                self.sites["clip"] = user_site() or ""  # only when clipping changes: a frame walk
 
     @guarded("train_config.scale")
     def _note_scale(self, scaler: Any) -> None:
@@ -331,17 +331,28 @@ class TrainConfig:
 
     def optimizer_digest(self) -> tuple[Optional[int], Optional[float]]:
         """(hash of every stepped optimizer's per-group hyper-parameters, the lead
-        optimizer's first learning rate)."""
-        parts: list[float] = []
-        for oi, opt in enumerate(self._optimizers_stepped()):
-            for group in getattr(opt, "param_groups", []):
-                parts.append(float(oi))
+        optimizer's first learning rate). Exact values: every rank computes its
+        schedule the same way. Per step: a few attribute reads per group."""
+        parts: list[Any] = []
+        append = parts.append
+        for opt in self._optimizers_stepped():
+            append(-3.0)  # an optimizer's groups begin
+            for group in getattr(opt, "param_groups", ()):
+                get = group.get
                 for key in HYPER:
-                    value = group.get(key)
-                    if isinstance(value, (tuple, list)):
-                        parts.extend(_rounded(_num(v)) for v in value[:4])
+                    value = get(key)
+                    kind = type(value)
+                    if kind is int or (kind is float and value == value):
+                        append(value)
+                    elif value is None:
+                        append(_MISSING)  # hash(None) differs between processes before Python 3.12
+                    elif kind is tuple:
+                        if all(type(v) is float and v == v for v in value):
+                            parts.extend(value)  # betas
+                        else:
+                            parts.extend(_rounded(_num(v)) for v in value[:4])
                     else:
-                        parts.append(_rounded(_num(value)))
+                        append(_rounded(_num(value)))
         if not parts:
             return None, None
         lead = self.agent.progress._lead() if self.agent.progress._lead is not None else None
