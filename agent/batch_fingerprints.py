@@ -9,7 +9,9 @@ still differs) and the last. One gather kernel; on a GPU the few values
 come back through the deferred device read (a pinned copy, read later: no
 sync). The values are hashed with the shape and dtype into a 52-bit
 fingerprint; the step's fingerprint (`StepRecord.batch_fp`) combines its
-micro-batches'. The data itself never leaves the process.
+micro-batches'. The data itself never leaves the process. The device path (deferred read,
+then a `step_values` event a step late) was never run on a GPU here: the
+tests run it with a GPU-like double of the read.
 
 The collector compares ranks at each step (duplicates across ranks). A
 rank that trains on the same batch step after step is judged here, where
@@ -31,6 +33,7 @@ import torch
 from rankwatch.wire import StepRecord
 
 from .grad_checks import _DeferredRead
+from . import models as models_mod
 from .models import Forward, TrainedModels
 from .safety import guarded
 
@@ -143,7 +146,7 @@ class BatchFingerprints:
         slot: list[Optional[int]] = [None]
         self._pending.append(slot)
         values = data.take(self._positions(data))
-        if values.device.type == "cpu":
+        if models_mod.on_host(values):
             slot[0] = _digest(header, values.double().numpy().tobytes())
             return
 

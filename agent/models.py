@@ -140,6 +140,13 @@ def without_our_hooks(state: Any) -> Any:
     return out
 
 
+def on_host(tensor: torch.Tensor) -> bool:
+    """Its values can be read now without a device sync. Everything else goes
+    through the deferred device read (grad_checks._DeferredRead). Tests swap
+    this for a GPU-like double: the CUDA path was never run on a GPU here."""
+    return tensor.device.type == "cpu"
+
+
 def _compiling() -> bool:
     if "torch._dynamo" not in sys.modules:
         return False  # nothing compiles without dynamo loaded (and asking would load it: ~1 s)

@@ -42,6 +42,7 @@ import torch
 from rankwatch.wire import StepRecord
 
 from .grad_checks import _DeferredRead
+from . import models as models_mod
 from .models import Forward, TrainedModels, unwrap, user_site
 from .patching import argument
 from .safety import guarded
@@ -282,18 +283,21 @@ class TrainConfig:
         if not isinstance(scale, torch.Tensor) or not getattr(scaler, "_enabled", True):
             return
         step = self.agent.progress.step
-        if scale.device.type == "cpu":
+        if models_mod.on_host(scale):
             self._scale = (step, float(scale.reshape(-1)[0]))
             return
 
         def consume(values: list[float], step=step) -> None:
             if values:
+                self._scale = (step, values[0])
                 self._deferred.append((step, "loss_scale", _short(values[0])))
 
         self.reader.submit([scale.reshape(-1)[:1]], consume)
 
     @guarded("train_config.forward")
     def _on_forward(self, forward: Forward) -> None:
+        if not forward.training:
+            return  # a grad-enabled evaluation forward (one rank validating) says nothing of training
         self._autocast = _autocast_state()
         if self.loaders is not None:
             self._training_loader = self.loaders.last
@@ -426,6 +430,12 @@ class TrainConfig:
         record.optim_fp, record.lr = self.optimizer_digest()
         if not self.models.discovered:
             return
+        # Values read late from the device first, each with the step it belongs to.
+        for step, key, value in self._deferred:
+            if self.sent.get(key) != value:
+                self.sent[key] = value
+                self.agent.record_event("train_config", step=step, facts=[[key, value]])
+        self._deferred = []
         facts = self.current()
         changed = {k: v for k, v in facts.items() if self.sent.get(k) != v}
         removed = [k for k in self.sent if k not in facts and not k.startswith("user.")]
@@ -445,11 +455,6 @@ class TrainConfig:
                     self.sent[key] = changed[key]
                 else:
                     self.sent.pop(key, None)
-        for step, key, value in self._deferred:
-            if self.sent.get(key) != value:
-                self.sent[key] = value
-                self.agent.record_event("train_config", step=step, facts=[[key, value]])
-        self._deferred = []
         self._clips = []
         self.sites.pop("clip", None)
         self._backwards = 0

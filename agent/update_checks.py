@@ -23,7 +23,8 @@ then every CHECK_EVERY steps), each reported once as an event:
 
 Device values are read through the deferred device read (no sync);
 sharded parameters (DTensor) are read through their local shard (no
-collective).
+collective). The device path was never run on a GPU here (the tests use a
+GPU-like double of the read).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import torch
 from rankwatch.wire import StepRecord
 
 from .grad_checks import _DeferredRead, fp32_norms
+from . import models as models_mod
 from .models import Forward, TrainedModels
 from .safety import guarded
 
@@ -250,8 +252,8 @@ class UpdateChecks:
             self._watch.append(watch)
 
     def _read(self, grad: torch.Tensor, index: torch.Tensor, watch: dict, slot: str) -> None:
-        values = grad.reshape(-1).take(index) if grad.is_contiguous() else grad.flatten().take(index)
-        if values.device.type == "cpu":
+        values = grad.take(index)
+        if models_mod.on_host(values):
             watch[slot] = values.tolist()
             return
 

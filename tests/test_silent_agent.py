@@ -204,3 +204,94 @@ def test_hooks_never_travel_with_a_copy_of_the_model(agent):
     assert b"rankwatch" not in pickle.dumps(net)
     assert net._forward_pre_hooks  # the original keeps them
     ema(torch.randn(8, 4))
+
+
+def test_parameters_their_optimizer_never_changes(agent):
+    """An optimizer that steps but leaves one group untouched (a custom
+    step that forgets a group); a group with lr 0 and a frozen layer are
+    left alone by design and not flagged."""
+
+    class ForgetsLastGroup(torch.optim.SGD):
+        @torch.no_grad()
+        def step(self, closure=None):
+            for group in self.param_groups[:-1]:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.add_(p.grad, alpha=-group["lr"])
+
+    net = Net()
+    opt = ForgetsLastGroup([{"params": net.body.parameters(), "lr": 0.1},
+                            {"params": net.head.parameters(), "lr": 0.1}])
+    still = torch.nn.Linear(2, 2)
+    zero_lr = torch.optim.SGD(still.parameters(), lr=0.0)
+    for step in range(3):
+        opt.zero_grad()
+        zero_lr.zero_grad()
+        (net(torch.randn(4, 8)).sum() + still(torch.randn(3, 2)).sum()).backward()
+        opt.step()
+        zero_lr.step()
+    (event,) = _events(agent, "broken_update")
+    assert event.details["check"] == "not_updated" and event.step == 0
+    assert event.details["parameters"] == ["Net.head.bias", "Net.head.weight"]
+
+
+class LateRead:
+    """A GPU-like double of the deferred device read: the values of a
+    submission come back at the second poll after it (a step late)."""
+
+    def __init__(self) -> None:
+        self.pending: list = []
+
+    def submit(self, values, consume) -> None:
+        if not values:
+            return
+        flat = torch.cat([v.detach().float().reshape(-1) for v in values]).tolist()
+        self.pending.append([2, flat, consume])
+
+    def poll(self) -> None:
+        still = []
+        for item in self.pending:
+            item[0] -= 1
+            if item[0] <= 0:
+                item[2](item[1])
+            else:
+                still.append(item)
+        self.pending = still
+
+
+@pytest.fixture
+def device_agent(monkeypatch):
+    """The agent as on a GPU: nothing is read on the host, every value comes late."""
+    from rankwatch.agent import batch_fingerprints, models, train_config, update_checks
+
+    monkeypatch.setattr(models, "on_host", lambda tensor: False)
+    for module in (batch_fingerprints, train_config, update_checks):
+        monkeypatch.setattr(module, "_DeferredRead", LateRead)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
+    agent = Agent(config_mod.Config(), wire.RankIdentity(run_id="t", rank=0, local_rank=0, world_size=1), None)
+    agent.install()
+    dist.init_process_group("gloo")
+    yield agent
+    agent.uninstall()
+    dist.destroy_process_group()
+
+
+def test_device_path_reports_late_with_the_right_steps(device_agent):
+    agent = device_agent
+    model = DDP(Net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    fixed = torch.randn(4, 8)
+    for step in range(6):
+        x = fixed if step in (1, 2) else torch.randn(4, 8)
+        scaler.scale(model(x).sum()).backward()  # no zero_grad: gradients never cleared
+        scaler.step(opt)
+        scaler.update()
+    assert all(r.batch_fp is None for r in agent.progress.recent)  # nothing read on the training thread
+    late = {e.step: e.details["batch_fp"] for e in _events(agent, "step_values") if "batch_fp" in e.details}
+    assert set(late) >= {0, 1, 2, 3} and late[1] == late[2] != late[3]
+    checks = {e.details["check"]: e.step for e in _events(agent, "broken_update")}
+    assert checks == {"grads_not_cleared": 1}
+    scale = [(e.step, dict(e.details["facts"]).get("loss_scale")) for e in _events(agent, "train_config")
+             if "loss_scale" in dict(e.details["facts"])]
+    assert scale and scale[0] == (1, "256"), scale  # the scale of update() after step 0 trains step 1, as on a CPU
