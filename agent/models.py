@@ -88,7 +88,18 @@ class _Hook:
     (``copy.deepcopy(model)`` for an EMA, ``torch.save(model)``) must not take
     rankwatch along: the module's ``__getstate__`` (wrapped in `install`)
     leaves these hooks out, and should a subclass bypass it, a copied hook
-    is an inert one."""
+    is an inert one.
+
+    Under ``torch.compile`` a hook runs either where the compiled module is
+    called from (a DDP wrapper, a user's model class: a frame of its own,
+    which dynamo would compile to nothing, the hook returning at once while
+    traced) or inside the traced graph (a module under DDP, an ``nn.*``
+    container): there it returns at once and adds nothing to the graph, no
+    break (``fullgraph=True`` stays possible). Once dynamo is loaded
+    (`torch.compile` is wrapped to say so) this class's call frame, and what
+    it calls, is left to run eagerly: the first case then works as without
+    compile. Without dynamo loaded nothing is asked of it (importing it
+    costs ~1 s)."""
 
     __slots__ = ("fn",)
 
@@ -107,6 +118,26 @@ class _Hook:
 
     def __reduce__(self):
         return (_Hook, ())
+
+
+_RUN_EAGERLY = False
+
+
+def after_compile() -> None:
+    """torch.compile was called (dynamo is loaded): a hook's own frame, and
+    every frame it calls, is never compiled. torch 2.6+ (older: the hooks
+    are compiled to nothing, and compiled models lose these checks)."""
+    global _RUN_EAGERLY
+    if _RUN_EAGERLY:
+        return
+    _RUN_EAGERLY = True
+    try:
+        from torch._C._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+        set_code_exec_strategy(_Hook.__call__.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+    except Exception:
+        pass
 
 
 _HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks")
@@ -290,6 +321,20 @@ class TrainedModels:
             return __getstate__
 
         self.agent.patches.apply(torch.nn.Module, "__getstate__", make_getstate)
+
+        def make_compile(original):
+            @functools.wraps(original)
+            def compile(*args, **kwargs):
+                result = original(*args, **kwargs)
+                try:
+                    after_compile()
+                except Exception:
+                    pass
+                return result
+
+            return compile
+
+        self.agent.patches.apply(torch, "compile", make_compile)
 
     # -- registration (build time) ------------------------------------------------------
     def _forget(self, table: dict, key: int):

@@ -136,7 +136,7 @@ def amp_accum(rank: int, world: int, steps: int) -> int:
     model = DDP(Net())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=4)
-    step = 0
+    step = applied = 0
     optimizer.zero_grad()
     for i, (xb, yb) in enumerate(loader):
         last = (i + 1) % accum == 0
@@ -149,13 +149,15 @@ def amp_accum(rank: int, world: int, steps: int) -> int:
             continue
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+        before = scaler.get_scale()
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad()
         step += 1
+        applied += scaler.get_scale() >= before  # an overflow halves the scale: that step was skipped
         if step >= steps:
             break
-    return step
+    return applied  # optimizer steps that ran
 
 
 def compiled(rank: int, world: int, steps: int) -> int:
