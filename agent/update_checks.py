@@ -170,15 +170,18 @@ class UpdateChecks:
         step, names, grad_norms, before, params = entry
         with torch.no_grad():
             after = _norms64(params)
+            # Compared on the device in float64: the deferred read brings float32 back,
+            # which would hide a small update of a big tensor.
+            moved = (torch.stack(after) != torch.stack(before)).float()
         n = len(names)
         key = id(optimizer)
 
         def consume(values: list[float], step=step, names=names, n=n, key=key) -> None:
-            grads, old, new = values[:n], values[n:2 * n], values[2 * n:3 * n]
-            still = frozenset(name for name, g, a, b in zip(names, grads, old, new) if g > 0 and a == b)
+            grads, changed = values[:n], values[n:2 * n]
+            still = frozenset(name for name, g, c in zip(names, grads, changed) if g > 0 and c == 0)
             self._note_unchanged(key, step, still)
 
-        self.reader.submit(list(grad_norms) + list(before) + list(after), consume)
+        self.reader.submit(list(grad_norms) + [moved], consume)
 
     def _note_unchanged(self, key: int, step: int, still: frozenset) -> None:
         previous = self._unchanged.get(key)
