@@ -5,6 +5,7 @@ is for what cannot be seen from outside:
 
     import rankwatch.agent as rw
     rw.observe(loss=loss)        # the loss as the script defines it
+    rw.expect_same("tokenizer", sha)  # a value every rank must share (else: config_divergence)
 
 and for launchers other than ``rankwatch run`` (plain torchrun, Ray Train
 workers, Slurm's srun), called before the model is wrapped in DDP:
@@ -24,7 +25,7 @@ from typing import Any, Optional
 
 from .runtime import Agent, current
 
-__all__ = ["Agent", "attach", "current", "observe"]
+__all__ = ["Agent", "attach", "current", "expect_same", "observe"]
 
 
 def attach() -> Optional[Agent]:
@@ -56,5 +57,19 @@ def observe(loss: Any = None, **metrics: Any) -> None:
                 return
             loss = float(loss.detach())
         agent.progress.observe_loss(float(loss))
+    except Exception:
+        pass
+
+
+def expect_same(name: str, value: Any) -> None:
+    """Declare a value that must be equal on every rank (a tokenizer's hash, a
+    dataset version, a config digest). Ranks that disagree are named in a
+    `config_divergence` verdict, with the line of this call. Short values are
+    compared as text, long ones by their SHA-256. Never raises."""
+    agent = current()
+    if agent is None or agent.train_config is None:
+        return
+    try:
+        agent.train_config.expect_same(name, value)
     except Exception:
         pass

@@ -183,3 +183,112 @@ def attach(agent: "Agent", ddp) -> Optional[Fingerprinter]:
     if every <= 0:
         return None
     return Fingerprinter(agent, ddp, every)
+
+
+# -- without DDP: through the optimizers' parameters ----------------------------------------------
+
+
+def _plain(tensor: torch.Tensor) -> bool:
+    """A whole tensor every replica holds (not a DTensor or an FSDP flat shard,
+    whose norm would need a collective or differs by design)."""
+    return (type(tensor).__name__ not in ("DTensor", "FlatParameter") and not getattr(tensor, "_is_flat_param", False)
+            and not tensor.is_sparse and tensor.numel() > 0)
+
+
+class OptimizerFingerprinter:
+    """Replicas without a DDP wrapper (hand-written data parallelism: the
+    script all-reduces the gradients itself): the parameters the optimizers
+    update, named through agent/models.py.
+
+    At the first optimizer step, before it updates anything, one fingerprint
+    of the parameters *and* their gradients (``"at": "start"``, step 0): the
+    collector takes ranks whose averaged gradients are equal for replicas,
+    and replicas whose parameters already differ then started apart
+    (``unsynced_start``: no broadcast at the start). Ranks whose gradients
+    differ are not replicas (model or pipeline parallelism, sharding): their
+    fingerprints are not compared. Then every N steps, like the DDP
+    fingerprints (``"source": "optimizer"``), under the same cost budget.
+    Used only on ranks without a DDP model (one fingerprint stream a rank).
+    """
+
+    def __init__(self, agent: "Agent", models, every: int) -> None:
+        self.agent = agent
+        self.models = models
+        self.every = every
+        self.multiplier = 1
+        self.budget = agent.config.grad_check_budget * BUDGET_SHARE
+        self.reader = _DeferredRead()
+        self.started = False
+        self._names: Optional[list[str]] = None
+        self._version = -1
+        self._params: list[torch.Tensor] = []
+        models.on_optimizer_pre.append(self._before_first_step)
+        agent.progress.step_extras.append(self._on_step_end)
+
+    def _active(self) -> bool:
+        return not getattr(self.agent, "ddp_modules", None)
+
+    def _tensors(self) -> tuple[list[str], list[torch.Tensor]]:
+        if self._version != self.models.version:
+            self._version = self.models.version
+            optimized = self.models.optimized()
+            pairs = [(n, p) for n, p in self.models.named_parameters() if id(p) in optimized and _plain(p)]
+            pairs = pairs[:MAX_TENSORS]
+            self._names = [f"param:{n}" for n, _ in pairs]
+            self._params = [p for _, p in pairs]
+        return self._names or [], self._params
+
+    @guarded("fingerprints.optimizer")
+    def _before_first_step(self, optimizer) -> None:
+        if self.started or not self._active():
+            return
+        self.started = True
+        names, params = self._tensors()
+        grads = [(n, p.grad) for n, p in zip(names, params)
+                 if p.grad is not None and _plain(p.grad) and p.grad.shape == p.shape]
+        if not params or not grads:
+            return
+        with torch.no_grad():
+            norms = fp32_norms([p.detach() for p in params]) + fp32_norms([g.detach() for _, g in grads])
+        all_names = names + ["grad:" + n[len("param:"):] for n, _ in grads]
+        step = self.agent.progress.step
+
+        def consume(values: list[float], step=step, names=all_names) -> None:
+            self.agent.add_fingerprint({"step": step, "names": names, "norms": values, "at": "start",
+                                        "source": "optimizer"})
+
+        self.reader.submit(norms, consume)
+
+    @guarded("fingerprints.optimizer")
+    def _on_step_end(self, record: StepRecord) -> None:
+        self.reader.poll()
+        interval = self.every * self.multiplier
+        if not self.started or not self._active() or record.step == 0 or (record.step + 1) % interval:
+            return
+        started = time.perf_counter()
+        names, params = self._tensors()
+        if not params:
+            return
+        with torch.no_grad():
+            norms = fp32_norms([p.detach() for p in params])
+        step = record.step
+
+        def consume(values: list[float], step=step, names=names) -> None:
+            self.agent.add_fingerprint({"step": step, "names": names, "norms": values, "source": "optimizer"})
+
+        self.reader.submit(norms, consume)
+        spent = time.perf_counter() - started
+        duration = record.ended_at - record.started_at
+        if self.budget > 0 and duration > 0:
+            allowed = self.budget * duration * interval
+            if spent > allowed and self.multiplier < MAX_MULTIPLIER:
+                self.multiplier *= 2
+            elif spent < allowed / 8 and self.multiplier > 1:
+                self.multiplier //= 2
+
+
+def attach_optimizers(agent: "Agent", models) -> Optional[OptimizerFingerprinter]:
+    every = agent.config.fingerprint_every
+    if every <= 0 or models is None:
+        return None
+    return OptimizerFingerprinter(agent, models, every)

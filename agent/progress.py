@@ -67,6 +67,8 @@ class Progress:
         self.typical_loss: Optional[float] = None  # median |loss| of recent steps, refreshed every 5
         # Per-step values provided by other parts (gradient checks, memory).
         self.step_extras: list[Callable[[StepRecord], None]] = []
+        # Called with the loss at every backward (silent-error checks: micro-batches, modes).
+        self.backward_extras: list[Callable[[Any], None]] = []
         # pg id -> last enqueued seq, read at marked steps (set by the agent).
         self.read_collective_seqs: Optional[Callable[[], dict[str, int]]] = None
         # Memory-mapped record the supervisor reads if the rank dies silently.
@@ -123,6 +125,8 @@ class Progress:
         self.phase_since = now
         self.last_progress_at = now
         self._record()
+        for extra in self.backward_extras:
+            extra(loss)  # each guarded on its own
 
     def note_scaled(self, scaled: Any, unscaled: Any) -> None:
         """GradScaler.scale(loss) returned ``scaled``; its backward is the loss's."""

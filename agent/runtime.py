@@ -101,6 +101,9 @@ class Agent:
         self.ddp_modules: list[Any] = []
         self.extensions: list[Any] = []  # parts that answer collector commands
         self.memory = None
+        self.models = None  # agent/models.py: what this rank trains (silent-error checks, GPU checks)
+        self.loaders = None
+        self.train_config = None
         self.patches = Patches()
         self._hook_handles: list[Any] = []
 
@@ -119,6 +122,7 @@ class Agent:
         self._install_parts()
         self._install_faulthandler()
         self._install_torch_hooks()
+        self._install_silent_checks()
         self._thread = threading.Thread(target=self._heartbeat_loop, name="rankwatch-heartbeat", daemon=True)
         self._thread.start()
 
@@ -129,6 +133,21 @@ class Agent:
 
         self.memory = MemoryTracker(self)
         self.extensions.append(StepProfiler(self))
+
+    @guarded("agent.silent_checks")
+    def _install_silent_checks(self) -> None:
+        """Silent errors (a job that runs but trains wrong): what is trained
+        (models), how (train_config), on what data (batch_fingerprints, loaders),
+        whether the step updates it (update_checks), replicas without DDP
+        (fingerprints through the optimizers)."""
+        from . import batch_fingerprints, fingerprints, loaders, models, train_config, update_checks
+
+        self.models = models.attach(self)
+        self.loaders = loaders.attach(self)
+        self.train_config = train_config.attach(self, self.models, self.loaders)
+        batch_fingerprints.attach(self, self.models, self.loaders)
+        update_checks.attach(self, self.models)
+        fingerprints.attach_optimizers(self, self.models)
 
     @guarded("agent.blackbox")
     def _install_blackbox(self) -> None:
@@ -230,6 +249,8 @@ class Agent:
                 iterator = original(*args, **kwargs)
                 if args:
                     agent._note_loader_epoch(args[0], seen)
+                    if agent.loaders is not None:
+                        agent.loaders.on_iter(args[0], iterator)
                 return iterator
 
             return dataloader_iter
@@ -321,6 +342,8 @@ class Agent:
     def on_ddp_created(self, ddp) -> None:
         self.ddp_modules.append(ddp)
         ddp.register_forward_pre_hook(self.progress.on_forward)
+        if self.models is not None:
+            self.models.on_ddp(ddp)
         self.progress.set_phase("setup")
         from . import fingerprints, grad_checks, gradient_flow
 

@@ -172,7 +172,7 @@ class Job:
             end = start + self.step_time
             loss = 2.0 + 1.0 / (1 + s % 1000)
             out.append(f"[{s},{start:.3f},{end:.3f},1,{0.8 * self.step_time:.4f},{0.01 * self.step_time:.4f},"
-                       f"{loss:.5f},{1.5 + 0.001 * (s % 7):.5f},0,1,{1_500_000_000 + 4096 * (s % 3)},null,null,null]")
+                       f"{loss:.5f},{1.5 + 0.001 * (s % 7):.5f},0,1,{1_500_000_000 + 4096 * (s % 3)},null,null,null,null,1234567,0.001]")
         return ",".join(out)
 
     def tail(self, since: int, step: int, culprit: bool, history: int = 0, stride: int = 1) -> bytes:

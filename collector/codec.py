@@ -94,14 +94,33 @@ def _opt_bytes(v: Any):
     return v
 
 
+def _opt_count(v: Any):
+    if v is None:
+        return None
+    if type(v) is not int or not 0 <= v <= _MAX_COUNT:
+        raise _Slow
+    return v
+
+
+def _opt_rate(v: Any):
+    """A learning rate: a finite number in 0..1e12 (wire's rule)."""
+    if v is None:
+        return None
+    t = type(v)
+    if (t is not float and t is not int) or not 0.0 <= v <= 1e12:
+        raise _Slow
+    return float(v)
+
+
 def _row(row: Any) -> wire.StepRecord:
-    if type(row) is not list or len(row) != 14:
+    if type(row) is not list or len(row) != 17:
         raise _Slow
     (step, started, ended, forwards, compute_s, data_s, loss, grad_norm, nonfinite, stride, rss, dev_a, dev_r,
-     dev_p) = row
+     dev_p, batch_fp, optim_fp, lr) = row
     return _StepRecord(_count(step), _time(started), _time(ended), _count(forwards), _opt_duration(compute_s),
                        _opt_duration(data_s), _opt_signal(loss), _opt_signal(grad_norm), _count(nonfinite),
-                       _count(stride), _opt_bytes(rss), _opt_bytes(dev_a), _opt_bytes(dev_r), _opt_bytes(dev_p))
+                       _count(stride), _opt_bytes(rss), _opt_bytes(dev_a), _opt_bytes(dev_r), _opt_bytes(dev_p),
+                       _opt_count(batch_fp), _opt_count(optim_fp), _opt_rate(lr))
 
 
 def _seqs(d: Any) -> dict[str, int]:

@@ -40,7 +40,8 @@ FULL_GC_INTERVAL = 300.0
 THAWED_GC_INTERVAL = 3600.0
 NEVER = 2**31 - 1  # a generation threshold that is never reached
 FINISHED_KEPT_S = 120.0  # a finished run stays in memory this long, then is served from the index
-ACTIONABLE = ("collective_mismatch", "nonfinite", "grad_spike", "weight_divergence", "straggler", "memory_growth")
+ACTIONABLE = ("collective_mismatch", "nonfinite", "grad_spike", "weight_divergence", "straggler", "memory_growth",
+              "config_divergence", "duplicate_data", "broken_update")
 _SAFE_ID = wire.ID_PATTERN  # never "." or "..": ids become directory names
 
 
@@ -280,6 +281,10 @@ class Collector:
                         value = wire.number(event.details.get(name))  # non-finite values travel as strings
                         if record is not None and value is not None and getattr(record, name) is None:
                             setattr(record, name, value)
+                    fp = event.details.get("batch_fp")  # the input batch's fingerprint, read as late
+                    if (record is not None and record.batch_fp is None and type(fp) is int
+                            and 0 <= fp <= wire.MAX_COUNT):
+                        record.batch_fp = fp
                     continue
                 state.events.append(event)
                 if event.kind == "exit" and state.exit_code is None:

@@ -36,7 +36,7 @@ RUN = 'run="$run"'
 RANKS = 'run="$run", rank=~"$rank"'
 
 VERDICT_KINDS = ("hang", "collective_mismatch", "crash", "nonfinite", "grad_spike", "weight_divergence",
-                 "straggler", "oom", "memory_growth")
+                 "straggler", "oom", "memory_growth", "config_divergence", "duplicate_data", "broken_update")
 
 
 def q(expr: str, legend: str = "", ref: str = "A") -> prometheus.Dataquery:

@@ -52,6 +52,9 @@ class Config:
     grad_check_budget: float = 0.005
     # Parameter fingerprints every N optimizer steps (0: off).
     fingerprint_every: int = 10
+    # Silent-error checks in the agent: training configuration facts, input
+    # batch fingerprints, update checks (agent/train_config.py, ...).
+    silent_checks: bool = True
     # Collective sequence marks every N optimizer steps (detects an extra collective).
     collective_mark_every: int = 5
     # Record CUDA allocator history for memory snapshots (costly; off by default).
@@ -65,6 +68,11 @@ class Config:
     on_weight_divergence: str = "dump"
     on_straggler: str = "dump"
     on_memory_growth: str = "dump"
+    # Silent errors (the job runs but trains wrong): reported, never ending the
+    # job unless set to "abort".
+    on_config_divergence: str = "report"
+    on_duplicate_data: str = "report"
+    on_broken_update: str = "report"
     # On a nonfinite verdict, turn on autograd anomaly detection on the origin
     # rank(s) only, so the next occurrence names the operation. Off by default:
     # anomaly mode makes backward raise on the next NaN, which changes the

@@ -41,6 +41,10 @@ VERDICT_KINDS = (
     "straggler",
     "oom",
     "memory_growth",
+    # Silent errors: the job runs to the end but trains wrong (CONTRACT "Additions (2026-11-23)").
+    "config_divergence",
+    "duplicate_data",
+    "broken_update",
 )
 
 
@@ -85,6 +89,13 @@ class StepRecord:
     device_allocated_bytes: Optional[int] = None
     device_reserved_bytes: Optional[int] = None
     device_peak_bytes: Optional[int] = None
+    # Silent-error digests (agent/batch_fingerprints.py, agent/train_config.py):
+    # a 52-bit hash of a few sampled elements of the step's input batches, a
+    # 52-bit hash of every optimizer's per-group hyper-parameters, and the
+    # lead optimizer's first learning rate. Never the data itself.
+    batch_fp: Optional[int] = None
+    optim_fp: Optional[int] = None
+    lr: Optional[float] = None
 
 
 @dataclass
@@ -221,7 +232,7 @@ class NodeReply:
 # accepted: the columns travel with the rows).
 STEP_COLUMNS = ("step", "started_at", "ended_at", "forwards", "compute_s", "data_s", "loss", "grad_norm",
                 "nonfinite_grads", "grad_check_stride", "rss_bytes", "device_allocated_bytes",
-                "device_reserved_bytes", "device_peak_bytes")
+                "device_reserved_bytes", "device_peak_bytes", "batch_fp", "optim_fp", "lr")
 
 
 def step_records(hb: Heartbeat) -> list[StepRecord]:
@@ -653,6 +664,7 @@ _RULES: dict[str, Any] = {
     "StepRecord.nonfinite_grads": _count, "StepRecord.grad_check_stride": _count,
     "StepRecord.rss_bytes": _bytes, "StepRecord.device_allocated_bytes": _bytes,
     "StepRecord.device_reserved_bytes": _bytes, "StepRecord.device_peak_bytes": _bytes,
+    "StepRecord.batch_fp": _count, "StepRecord.optim_fp": _count, "StepRecord.lr": _float_range(0.0, 1e12),
     "CollectiveMark.step": _count, "CollectiveMark.seqs": _each(_seq),
     "Event.kind": _token, "Event.at": _time, "Event.step": _int_range(-1, MAX_COUNT),
     "Heartbeat.sent_at": _time, "Heartbeat.seq": _count, "Heartbeat.step": _count, "Heartbeat.forwards": _count,

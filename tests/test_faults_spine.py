@@ -135,6 +135,9 @@ def test_uneven_hand_made_shards_name_every_rank_that_ran_out_of_data(tmp_path):
     assert job.exit_code != 0
     assert len(job.verdicts()) == 1, job.verdicts()
     verdict = job.verdicts()[0]
+    # Named at the first step from the loaders' lengths (issue 18), the hang as its consequence.
+    assert (verdict["kind"], verdict["step"]) == ("config_divergence", 0), verdict
+    assert [c["ranks"] for c in verdict["evidence"]["consequences"] if c["kind"] == "hang"] == [[2, 3]], verdict
     assert verdict["ranks"] == [2, 3], verdict
     assert "Ranks 2, 3 had 10 batches per epoch, ranks 0, 1 had 11" in verdict["summary"], verdict["summary"]
     assert "DistributedSampler" in verdict["summary"] and "Join" in verdict["summary"]

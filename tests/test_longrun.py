@@ -33,7 +33,8 @@ dist.init_process_group("gloo")
 torch.manual_seed(0)
 model = DDP(torch.nn.Linear(4, 1))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
-x, y = torch.randn(8, 4), torch.randn(8, 1)
+g = torch.Generator().manual_seed(dist.get_rank())  # each rank its own batch
+x, y = torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
 for step in range(int(sys.argv[1])):
     opt.zero_grad(set_to_none=True)
     torch.nn.functional.mse_loss(model(x), y).backward()

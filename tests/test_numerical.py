@@ -64,6 +64,7 @@ def test_user_comm_hook_still_runs(tmp_path):
         model = DDP(torch.nn.Linear(8, 8))
         model.register_comm_hook(None, my_hook)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        torch.manual_seed(dist.get_rank())  # each rank its own data
         for step in range(6):
             opt.zero_grad(); model(torch.randn(4, 8)).sum().backward(); opt.step()
         assert len(calls) == 6, calls
@@ -125,6 +126,7 @@ def test_always_zero_gradient_is_noted_without_a_false_verdict(tmp_path):
                 return (self.body(x) + 0.0 * self.gate).sum()  # gate's gradient is always 0
         model = DDP(M())
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        torch.manual_seed(dist.get_rank())  # each rank its own data
         for step in range(40):
             opt.zero_grad(); model(torch.randn(4, 8)).backward(); opt.step()
         """)

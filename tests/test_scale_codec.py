@@ -24,7 +24,7 @@ def _beat(**over):
         "last_progress_at": now, "collectives_enqueued": {"0": 36}, "collectives_completed": {"0": 35},
         "host_memory": {"MemTotal": 1 << 34, "MemAvailable": 1 << 33, "RSS": 1 << 30},
         "step_columns": list(wire.STEP_COLUMNS),
-        "step_rows": [[11, now - 1, now, 1, 0.8, 0.01, 2.5, 1.25, 0, 1, 1 << 30, None, None, None]],
+        "step_rows": [[11, now - 1, now, 1, 0.8, 0.01, 2.5, 1.25, 0, 1, 1 << 30, None, None, None, 987654321, 123456789, 0.001]],
     }
     beat.update(over)
     return beat

@@ -26,7 +26,7 @@ COLUMNS = list(wire.STEP_COLUMNS)
 
 
 def _row(step: int, loss=2.0, grad_norm=1.5, nonfinite=0) -> list:
-    return [step, 1000.0 + step, 1001.0 + step, 1, 0.8, 0.01, loss, grad_norm, nonfinite, 1, 1 << 30, None, None, None]
+    return [step, 1000.0 + step, 1001.0 + step, 1, 0.8, 0.01, loss, grad_norm, nonfinite, 1, 1 << 30, None, None, None, None, None, None]
 
 
 def _beat(rank: int, rows: list) -> dict:

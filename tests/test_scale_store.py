@@ -23,7 +23,7 @@ def _hb(rank: int, step: int, world: int = 2, run: str = "job", **extra) -> wire
             "last_progress_at": now, "collectives_enqueued": {"0": 3 * step}, "collectives_completed": {"0": 3 * step},
             "step_columns": list(wire.STEP_COLUMNS),
             "step_rows": [[step, now - 0.1, now, 1, 0.05, 0.01, float("nan") if step == 7 else 2.0, 1.0, 0, 1,
-                           1 << 20, None, None, None]], **extra}
+                           1 << 20, None, None, None, None, None, None]], **extra}
     return codec.decode_heartbeat(data)
 
 

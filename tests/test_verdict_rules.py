@@ -97,6 +97,18 @@ def test_uneven_ending_names_the_rank_that_left(tmp_path, mode):
     script = ddp_script(tmp_path, "uneven.py", _UNEVEN.format(mode=mode))
     job = run_job(tmp_path, ["--nproc-per-node", "3", str(script)])
     assert job.exit_code != 0, "the peers failed"
+    if mode == "return":
+        # Uneven data is named at the first step, from the loaders' lengths
+        # (issue 18); the hang that comes when rank 1 runs out is its consequence.
+        v = _one(job, "config_divergence")
+        assert (v["ranks"], v["step"]) == ([1], 0), v
+        assert "Rank 1 had 8 batches per epoch, ranks 0, 2 had 40" in v["summary"], v["summary"]
+        consequences = v["evidence"]["consequences"]
+        hang = next(c for c in consequences if c["kind"] == "hang")
+        assert (hang["ranks"], hang["step"]) == ([1], 8), hang
+        assert "exit code 0" in hang["summary"] and "left the training loop" in hang["summary"], hang["summary"]
+        assert {c["ranks"][0] for c in consequences if c["kind"] == "crash"} >= {0, 2}, consequences
+        return
     kind = "crash" if mode == "loader_exception" else "hang"
     v = _one(job, kind)
     assert v["ranks"] == [1], v
@@ -164,6 +176,7 @@ def test_mismatch_then_the_culprits_own_abort_is_one_verdict(tmp_path, train_scr
 _LEAK_SLOWS = """
 import time
 rank = dist.get_rank()
+torch.manual_seed(rank)  # each rank its own data
 model = DDP(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4)))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 replay = []  # rank 0 keeps every batch of observations and never drops one: the leak
@@ -198,6 +211,7 @@ def test_slowdown_caused_by_a_leak_is_the_leaks_consequence(tmp_path):
 _FROZEN = """
 import ctypes, time
 rank = dist.get_rank()
+torch.manual_seed(rank)  # each rank its own data
 model = DDP(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4)))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 libc = ctypes.PyDLL(None)  # PyDLL: the call keeps the GIL, as a C extension that never releases it

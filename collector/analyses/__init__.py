@@ -17,11 +17,12 @@ from rankwatch import wire
 
 from ..state import RunState
 from .common import ranks_text
-from . import (collective_mismatch, crash, grad_spike, hang, memory_growth, nonfinite, oom, straggler,
-               weight_divergence)
+from . import (broken_update, collective_mismatch, config_divergence, crash, duplicate_data, grad_spike, hang,
+               memory_growth, nonfinite, oom, straggler, weight_divergence)
 
 # Order matters only for reading: root causes first.
 ANALYSES = [
+    config_divergence,
     collective_mismatch,
     hang,
     crash,
@@ -31,6 +32,8 @@ ANALYSES = [
     straggler,
     memory_growth,
     oom,
+    duplicate_data,
+    broken_update,
 ]
 
 
@@ -58,7 +61,14 @@ SLACK = 1.0
 _NONFINITE_TEXT = re.compile(r"\bnan\b|\binf(inity)?\b|non-?finite|not finite|invalid values?|isnan|isfinite",
                              re.IGNORECASE)
 # Verdict kinds a collective mismatch does not produce: they stand on their own.
-_INDEPENDENT_OF_MISMATCH = ("memory_growth", "straggler", "oom")
+_INDEPENDENT_OF_MISMATCH = ("memory_growth", "straggler", "oom", "config_divergence", "duplicate_data",
+                            "broken_update")
+# What ranks that train differently (config_divergence) bring about: replicas
+# drifting apart, gradient norms unlike their peers', uneven data's hang or
+# collective mismatch at an epoch's end (any ranks); a slower rank or its own
+# overflow (the same ranks).
+_FROM_CONFIG_ANY_RANKS = ("hang", "collective_mismatch", "weight_divergence", "grad_spike")
+_FROM_CONFIG_SAME_RANKS = ("straggler", "nonfinite")
 
 
 def explain_away(verdicts: list[wire.Verdict]) -> list[wire.Verdict]:
@@ -109,6 +119,10 @@ def explains(cause: wire.Verdict, effect: wire.Verdict) -> bool:
         if effect.kind in _INDEPENDENT_OF_MISMATCH or effect.kind == "collective_mismatch":
             return False
         return after or (effect.kind == "hang" and e_detected >= c0)
+    if cause.kind == "config_divergence":
+        if effect.kind in _FROM_CONFIG_ANY_RANKS:
+            return after or (effect.kind == "hang" and e_detected >= c0)
+        return effect.kind in _FROM_CONFIG_SAME_RANKS and after and same_ranks
     if effect.kind == "hang":
         # Peers wait for a rank that died (crash, OOM) or that stopped on a NaN.
         if cause.kind in ("crash", "oom", "nonfinite"):
@@ -174,6 +188,8 @@ def _names_nonfinite(v: wire.Verdict) -> bool:
 def consequence_record(v: wire.Verdict) -> dict[str, Any]:
     record: dict[str, Any] = {"kind": v.kind, "ranks": list(v.ranks), "step": v.step,
                               "first_seen_at": v.first_seen_at, "summary": v.summary}
+    if v.evidence.get("cause"):
+        record["cause"] = v.evidence["cause"]
     failures = [f for f in v.evidence.get("failures") or [] if isinstance(f, dict)]
     if failures:
         record["failures"] = [{k: f.get(k) for k in ("rank", "cause", "exit_code", "step")} for f in failures]
@@ -191,7 +207,10 @@ def _with_consequences(root: wire.Verdict, effects: list[wire.Verdict]) -> wire.
     records = list(evidence.get("consequences") or [])
     seen = {_record_key(r) for r in records if isinstance(r, dict)}
     for effect in effects:
-        for record in [consequence_record(effect), *(effect.evidence.get("consequences") or [])]:
+        own = consequence_record(effect)
+        if root.kind == "config_divergence" and effect.kind == "weight_divergence" and "cause" not in own:
+            own["cause"] = "config_divergence"  # the replicas drift apart because they train differently
+        for record in [own, *(effect.evidence.get("consequences") or [])]:
             if isinstance(record, dict) and _record_key(record) not in seen:
                 seen.add(_record_key(record))
                 records.append(record)

@@ -343,8 +343,16 @@ def _seal_steps(run, sealer: _Sealer, live: list[int], active: list, final: bool
 def _seal_prints(run, sealer: _Sealer, live: list[int], active: list, final: bool) -> None:
     if not sealer.prints:
         return
-    limit = _limit(sealer.print_frontier, [r for r in live if r in sealer.print_frontier] or live,
-                   sealer.prints, 0, final)
+    # A fingerprint of step p arrives by the rank's record of p + SEAL_LAG (a GPU
+    # reads it a step late): a rank that sent neither blocks p; one whose
+    # records went past that without one does not fingerprint p (a rank that
+    # never fingerprints, or a sampled-out step), so p's comparison need not
+    # wait for it. Sealing on the prints alone compared a first fingerprint
+    # step with whichever ranks' prints had come first.
+    if final or not live:
+        limit = max(sealer.prints)
+    else:
+        limit = min(max(sealer.print_frontier.get(r, -1), sealer.frontier.get(r, -1) - SEAL_LAG) for r in live)
     hooks = [t.on_prints for t in active if hasattr(t, "on_prints")]
     for step in sorted(sealer.prints):
         if step > limit and len(sealer.prints) <= PENDING_PRINTS:
@@ -379,3 +387,71 @@ def peer_medians(values: dict[int, float]) -> dict[int, float]:
 
 def median(values) -> float:
     return statistics.median(values)
+
+
+class StepEvents:
+    """Events of some kinds, held per rank until their step is sealed: a
+    rank's event for step s always arrives before its record of step s + 1,
+    and a step is sealed only once every live rank sent a later one, so at
+    the seal of s every rank's events up to s are in, live and offline
+    alike (the silent-error analyses read them there). Bounded per rank;
+    O(1) per sealed step while nothing is due."""
+
+    PER_RANK = 512
+
+    def __init__(self, kinds: tuple[str, ...]) -> None:
+        self.kinds = kinds
+        self.pending: dict[int, list[tuple[int, int, Any]]] = {}
+        self._seq = 0
+        self._count = 0
+        self._min_step: Optional[int] = None
+
+    def add(self, rank: int, event) -> None:
+        if event.kind not in self.kinds:
+            return
+        step = event.step if isinstance(event.step, int) and event.step >= 0 else 0
+        queue = self.pending.setdefault(rank, [])
+        if len(queue) >= self.PER_RANK:
+            del queue[0]
+            self._count -= 1
+        self._seq += 1
+        queue.append((step, self._seq, event))
+        self._count += 1
+        if self._min_step is None or step < self._min_step:
+            self._min_step = step
+
+    def due(self, step: int) -> list[tuple[int, Any]]:
+        """(rank, event) of every event up to ``step``, in step then arrival order."""
+        if not self._count or self._min_step is None or step < self._min_step:
+            return []
+        out = []
+        lowest: Optional[int] = None
+        for rank in [r for r, q in self.pending.items() if q]:
+            queue = self.pending[rank]
+            ready = [item for item in queue if item[0] <= step]
+            rest = [item for item in queue if item[0] > step]
+            if rest:
+                self.pending[rank] = rest
+                low = min(item[0] for item in rest)
+                lowest = low if lowest is None else min(lowest, low)
+            else:
+                del self.pending[rank]
+            out.extend((s, seq, rank, e) for s, seq, e in ready)
+        self._count -= len(out)
+        self._min_step = lowest
+        out.sort(key=lambda x: (x[0], x[1]))
+        return [(rank, e) for _, _, rank, e in out]
+
+
+def pairs(value: Any, limit: int = 256) -> dict[str, str]:
+    """[[name, text], ...] from an agent's event (untrusted): a mapping of the well-formed pairs."""
+    out: dict[str, str] = {}
+    if isinstance(value, dict):
+        value = list(value.items())
+    if not isinstance(value, list):
+        return out
+    for item in value[:limit]:
+        if isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str) and isinstance(
+                item[1], str):
+            out[item[0][:64]] = item[1][:256]
+    return out

@@ -6,6 +6,21 @@ with no majority (two ranks), the ranks that differ from rank 0, whose
 weights DDP itself broadcasts as the reference; a tie without rank 0 (it
 sampled that step out) decides nothing. Parameters only: buffers
 (BatchNorm running statistics) differ legitimately between DDP's broadcasts.
+
+The evidence says the cause (`cause`) when it is visible:
+- `unreduced_gradients`: a rank stepped its optimizer on gradients whose
+  backward DDP never reduced (a forward through ``ddp.module``, or inside
+  ``no_sync()``): its agent's `unreduced_backward` event. The weights drift
+  apart from that step on, so the verdict comes at that step, before any
+  fingerprint can show it; the ranks are the ones that did it.
+- `unsynced_start`: without DDP, the fingerprint taken before the first
+  optimizer step (``"at": "start"``, parameters and gradients) shows ranks
+  whose averaged gradients are equal (replicas) but whose parameters are
+  not: they started apart (no broadcast at start). With no majority, every
+  rank is named. Ranks whose gradients differ are not replicas (model or
+  pipeline parallelism): their fingerprints are never compared.
+- a `config_divergence` that came first: then this verdict is its
+  consequence (analyses/__init__.py).
 """
 
 from __future__ import annotations
@@ -16,7 +31,7 @@ from typing import Optional
 from rankwatch import wire
 
 from ..state import RunState
-from .common import ranks_text, register_tracker, settle, tracker, verb, verdict
+from .common import StepEvents, ranks_text, register_tracker, settle, tracker, verb, verdict
 
 RTOL = 1e-5
 
@@ -39,8 +54,27 @@ def _compared(names) -> Optional[list[int]]:
     None: compare everything (no names, or no buffers)."""
     if not names:
         return None
-    keep = [i for i, n in enumerate(names) if not str(n).startswith("buffer:")]
+    keep = [i for i, n in enumerate(names) if not str(n).startswith(("buffer:", "grad:"))]
     return None if len(keep) == len(names) else keep
+
+
+def start_replicas(prints: dict[int, dict]) -> Optional[bool]:
+    """From the fingerprints taken before the first optimizer step without
+    DDP: True when every rank's gradients are equal (data-parallel replicas:
+    the script averages them), False when they differ (not replicas), None
+    when there are none to judge."""
+    grads: dict[int, list[float]] = {}
+    for rank, fp in prints.items():
+        if fp.get("at") != "start":
+            continue
+        names, norms = fp.get("names") or [], fp.get("norms") or []
+        values = [v for n, v in zip(names, norms) if str(n).startswith("grad:")]
+        if values:
+            grads[rank] = values
+    if len(grads) < 2:
+        return None
+    first = next(iter(grads.values()))
+    return all(_same(first, values) for values in grads.values())
 
 
 class Tracker:
@@ -51,6 +85,26 @@ class Tracker:
     def __init__(self) -> None:
         self.finding: Optional[dict] = None
         self._selection: dict[int, Optional[list[int]]] = {}  # id(names list) -> compared indices
+        self.replicas: Optional[bool] = None  # without DDP: are the ranks replicas (start fingerprint)?
+        self.unreduced: Optional[dict] = None
+        self._events = StepEvents(("unreduced_backward",))
+
+    def on_event(self, run: RunState, rank: int, event: wire.Event) -> None:
+        self._events.add(rank, event)
+
+    def on_step(self, run: RunState, step: int, records: dict) -> None:
+        due = self._events.due(step)
+        if not due or self.unreduced is not None:
+            return
+        first = min(e.step or 0 for _, e in due)
+        ranks = sorted({r for r, e in due if (e.step or 0) == first})
+        rank, event = next((r, e) for r, e in due if (e.step or 0) == first)
+        ended = [run.ranks[r].steps[first].ended_at for r in ranks
+                 if r in run.ranks and first in run.ranks[r].steps]
+        self.unreduced = {"step": first, "ranks": ranks, "via": str(event.details.get("via", "")),
+                          "site": str(event.details.get("site", ""))[:200],
+                          "module": str(event.details.get("module", ""))[:64],
+                          "first_at": min(ended) if ended else event.at}
 
     def _values(self, fp: dict) -> Optional[tuple]:
         norms = fp.get("norms")
@@ -66,6 +120,11 @@ class Tracker:
         return tuple(norms[i] for i in keep if i < len(norms))
 
     def on_prints(self, run: RunState, step: int, prints: dict[int, dict]) -> None:
+        start = any(fp.get("at") == "start" for fp in prints.values())
+        if start and self.replicas is None:
+            self.replicas = start_replicas(prints)
+        # Fingerprints taken through the optimizers (no DDP) count only between replicas.
+        prints = {r: fp for r, fp in prints.items() if fp.get("source") != "optimizer" or self.replicas}
         if self.finding is not None or len(prints) < 2:
             return
         exact: dict[tuple, list[int]] = {}
@@ -84,8 +143,11 @@ class Tracker:
         if len(groups) <= 1:
             return
         ordered = sorted((sorted(g) for _, g in groups), key=lambda g: (-len(g), g[0]))
+        at_start = start and all(fp.get("at") == "start" for fp in prints.values())
         if len(ordered[0]) > len(ordered[1]):
             reference = ordered[0]
+        elif at_start:
+            reference = []  # replicas that started apart, no majority: every rank is named
         else:
             reference = next((g for g in ordered if 0 in g), None)
             if reference is None:
@@ -94,7 +156,7 @@ class Tracker:
                 # a step with a majority or with rank 0 decides.
                 return
         culprits = sorted(r for g in ordered if g is not reference for r in g)
-        ref, odd = prints[reference[0]], prints[culprits[0]]
+        ref, odd = prints[(reference or ordered[0])[0]], prints[(ordered[1] if not reference else culprits)[0]]
         names = list(ref.get("names") or [])
         keep = _compared(names)
         indices = range(min(len(ref["norms"]), len(odd["norms"]))) if keep is None else keep
@@ -107,7 +169,7 @@ class Tracker:
                  if r in run.ranks and step in run.ranks[r].steps]
         self.finding = {
             "step": step, "reference": reference, "culprits": culprits, "differing": differing,
-            "first_at": min(ended) if ended else None,
+            "first_at": min(ended) if ended else None, "at_start": at_start,
             "norms": {str(r): {n: v for n, v in zip(names, prints[r]["norms"]) if n in shown} for r in sample},
         }
 
@@ -123,15 +185,48 @@ register_tracker("weight_divergence", Tracker)
 
 def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
     settle(run, final)
-    finding = tracker(run, "weight_divergence").finding
+    state = tracker(run, "weight_divergence")
+    finding, unreduced = state.finding, state.unreduced
+    if unreduced is not None:
+        return [_unreduced_verdict(unreduced, finding, now)]
     if finding is None:
         return []
     step, reference, culprits, differing = (finding["step"], finding["reference"], finding["culprits"],
                                             finding["differing"])
-    summary = (f"{ranks_text(culprits).capitalize()} {verb(culprits, 'holds', 'hold')} different weights from "
-               f"{ranks_text(reference)} after step {step}: {len(differing)} tensor(s) differ, first "
-               f"{', '.join(differing[:3])}. The replicas no longer train the same model (a missed broadcast, "
-               f"a rank-local update, or silent data corruption).")
-    first = finding["first_at"] if finding["first_at"] is not None else now
     evidence = {"reference_ranks": reference, "differing_tensors": differing[:32], "norms": finding["norms"]}
+    if finding.get("at_start"):
+        evidence["cause"] = "unsynced_start"
+        against = f"from {ranks_text(reference)}" if reference else "from each other"
+        summary = (f"{ranks_text(culprits).capitalize()} started training with different weights {against} "
+                   f"(before the first optimizer step; {len(differing)} tensor(s) differ, first "
+                   f"{', '.join(differing[:3])}), while their averaged gradients are equal: the replicas were "
+                   f"never synchronised at the start (no DDP, no broadcast). Broadcast the parameters from rank 0 "
+                   f"before training (dist.broadcast of each, or wrap the model in DDP), or seed every rank alike "
+                   f"before building the model.")
+    else:
+        summary = (f"{ranks_text(culprits).capitalize()} {verb(culprits, 'holds', 'hold')} different weights from "
+                   f"{ranks_text(reference)} after step {step}: {len(differing)} tensor(s) differ, first "
+                   f"{', '.join(differing[:3])}. The replicas no longer train the same model (a missed broadcast, "
+                   f"a rank-local update, or silent data corruption).")
+    first = finding["first_at"] if finding["first_at"] is not None else now
     return [verdict("weight_divergence", culprits, step, first, now, summary, evidence)]
+
+
+_VIA = {"module": "the DDP model's `.module` (DDP's forward, which prepares the gradient allreduce, never ran)",
+        "no_sync": "DDP inside `no_sync()` with no synchronised backward before the optimizer step"}
+
+
+def _unreduced_verdict(unreduced: dict, finding: Optional[dict], now: float) -> wire.Verdict:
+    ranks, step = unreduced["ranks"], unreduced["step"]
+    where = f" at {unreduced['site']}" if unreduced.get("site") else ""
+    how = _VIA.get(unreduced.get("via", ""), "a path DDP does not see")
+    summary = (f"{ranks_text(ranks).capitalize()} stepped the optimizer at step {step} on gradients DDP never "
+               f"averaged: the backward followed a forward through {how}{where}. Each replica then applies "
+               f"its own gradients and the weights drift apart. Call the DDP-wrapped model itself "
+               f"(model(x), not model.module(x)), and step only after a synchronised backward.")
+    evidence: dict = {"cause": "unreduced_gradients", "via": unreduced.get("via"), "site": unreduced.get("site"),
+                      "module": unreduced.get("module")}
+    if finding is not None:
+        evidence.update({"reference_ranks": finding["reference"], "differing_tensors": finding["differing"][:32],
+                         "norms": finding["norms"], "fingerprint_step": finding["step"]})
+    return verdict("weight_divergence", ranks, step, unreduced.get("first_at") or now, now, summary, evidence)

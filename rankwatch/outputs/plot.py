@@ -14,7 +14,8 @@ from rankwatch import wire
 
 KIND_COLOURS = {"hang": "#d62728", "collective_mismatch": "#9467bd", "crash": "#8c564b", "nonfinite": "#e377c2",
                 "grad_spike": "#ff7f0e", "weight_divergence": "#17becf", "straggler": "#1f77b4",
-                "oom": "#7f7f7f", "memory_growth": "#bcbd22"}
+                "oom": "#7f7f7f", "memory_growth": "#bcbd22",
+                "config_divergence": "#aec7e8", "duplicate_data": "#ffbb78", "broken_update": "#98df8a"}
 
 
 def _matrix(run, field: str, ranks: list[int], steps: list[int]):

@@ -1,0 +1,230 @@
+"""Input batch fingerprints: which ranks train on the same data.
+
+At every grad-enabled forward of a trained root (agent/models.py), the first
+floating or integer tensor among its inputs (positional, then keyword, a
+few levels into tuples, lists and dicts) is sampled at fixed places: up to
+8 rows spread over its first dimension, and in each the elements at
+positions 1, 2, 3, 5, 8, 13, ... (dense near the start, where padded text
+still differs) and the last. One gather kernel; on a GPU the few values
+come back through the deferred device read (a pinned copy, read later: no
+sync). The values are hashed with the shape and dtype into a 52-bit
+fingerprint; the step's fingerprint (`StepRecord.batch_fp`) combines its
+micro-batches'. The data itself never leaves the process. The device path (deferred read,
+then a `step_values` event a step late) was never run on a GPU here: the
+tests run it with a GPU-like double of the read.
+
+The collector compares ranks at each step (duplicates across ranks). A
+rank that trains on the same batch step after step is judged here, where
+the DataLoader is known (agent/loaders.py): the same fingerprint on
+REPEAT_STEPS consecutive steps from a loader that has more batches than
+that and did not finish an epoch in between (a small dataset seen again
+every epoch is fine) is a `batch_repeat` event.
+"""
+
+from __future__ import annotations
+
+import array
+import hashlib
+import struct
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from rankwatch.wire import StepRecord
+
+from .grad_checks import _DeferredRead
+from . import models as models_mod
+from .models import Forward, TrainedModels
+from .safety import guarded
+
+if TYPE_CHECKING:
+    from .loaders import LoaderInfo, LoaderTracker
+    from .runtime import Agent
+
+MASK = (1 << 52) - 1
+ROWS = 8
+POSITIONS = (1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233, 377, 610, 987, 1597, 2584, 4181)
+REPEAT_STEPS = 4  # the same batch this many steps in a row, without an epoch ending
+MAX_MICRO = 64
+_DTYPES = {torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16: 4, torch.int64: 5, torch.int32: 6,
+           torch.int16: 7, torch.int8: 8, torch.uint8: 9}
+
+
+def first_tensor(args: Any, kwargs: Any, depth: int = 0) -> Optional[torch.Tensor]:
+    """The first floating or integer tensor of a call's inputs."""
+    if depth == 0 and args and type(args) is tuple:
+        head = args[0]
+        if type(head) is torch.Tensor and head.dtype in _DTYPES and head.numel() > 0 and head.layout == torch.strided:
+            return head  # model(x): the common case, without the walk
+    if depth > 3:
+        return None
+    items: list[Any] = []
+    if isinstance(args, (tuple, list)):
+        items.extend(args[:8])
+    elif isinstance(args, dict):
+        items.extend(list(args.values())[:8])
+    else:
+        items.append(args)
+    if isinstance(kwargs, dict):
+        items.extend(list(kwargs.values())[:8])
+    for item in items:
+        if isinstance(item, torch.Tensor):
+            if item.dtype in _DTYPES and item.numel() > 0 and item.layout == torch.strided:
+                return item
+        elif isinstance(item, (tuple, list, dict)):
+            found = first_tensor(item, None, depth + 1)
+            if found is not None:
+                return found
+        elif hasattr(item, "keys") and hasattr(item, "values"):  # a BatchEncoding-like mapping
+            try:
+                found = first_tensor(dict(item), None, depth + 1)
+            except Exception:
+                found = None
+            if found is not None:
+                return found
+    return None
+
+
+class BatchFingerprints:
+    def __init__(self, agent: "Agent", models: TrainedModels, loaders: Optional["LoaderTracker"]) -> None:
+        self.agent = agent
+        self.models = models
+        self.loaders = loaders
+        self.reader = _DeferredRead()
+        self._index: dict[tuple, torch.Tensor] = {}
+        self._pending: list[list[Optional[int]]] = []  # this micro-batch's samples, before its backward
+        self._step: list[list[Optional[int]]] = []  # committed by a backward this step
+        self._loader: Optional["LoaderInfo"] = None
+        self._loader_state: Optional[tuple[int, int]] = None
+        self._history: list[tuple[int, Optional[int], Any, Optional[tuple[int, int]]]] = []
+        self._reported = False
+        self._late: list[tuple[int, list, Any, Any]] = []
+        models.on_training_forward.append(self._on_forward)
+        models.on_training_backward.append(self._on_backward)
+        agent.progress.step_extras.append(self._on_step_end)
+
+    # -- sampling -----------------------------------------------------------------------------
+    def _positions(self, tensor: torch.Tensor) -> torch.Tensor:
+        shape = tuple(tensor.shape)
+        key = (shape, tensor.device)
+        index = self._index.get(key)
+        if index is not None:
+            return index
+        numel = tensor.numel()
+        if tensor.dim() <= 1:
+            rows, width = [0], numel
+        else:
+            rows_n, width = shape[0], numel // shape[0]
+            count = min(ROWS, rows_n)
+            rows = sorted({(i * (rows_n - 1)) // max(1, count - 1) for i in range(count)})
+        cols = sorted({p for p in (0, *POSITIONS) if p < width} | {width - 1})
+        flat = [r * width + c for r in rows for c in cols]
+        index = torch.tensor(flat, dtype=torch.int64, device=tensor.device)
+        if len(self._index) >= 16:
+            self._index.clear()
+        self._index[key] = index
+        return index
+
+    @guarded("batch_fingerprints.forward")
+    def _on_forward(self, forward: Forward) -> None:
+        if not forward.training:
+            return  # a forward in eval mode is not a training batch
+        if len(self._pending) >= MAX_MICRO:
+            return
+        if self.loaders is not None and self._loader is None:
+            self._loader = self.loaders.last
+            self._loader_state = (self._loader.epochs_completed, self._loader.iterators) if self._loader else None
+        tensor = first_tensor(forward.args, forward.kwargs)
+        if tensor is None:
+            return
+        data = tensor.detach()
+        if not data.is_contiguous():
+            data = data.contiguous() if data.numel() <= (1 << 16) else None
+            if data is None:
+                return
+        header = struct.pack(f"<{len(data.shape) + 2}q", len(data.shape), *data.shape, _DTYPES.get(data.dtype, 0))
+        slot: list[Optional[int]] = [None]
+        self._pending.append(slot)
+        values = data.take(self._positions(data))
+        if models_mod.on_host(values):
+            slot[0] = _digest(header, values.double().numpy().tobytes())
+            return
+
+        def consume(read: list[float], slot=slot, header=header) -> None:
+            slot[0] = _digest(header, array.array("d", read).tobytes())
+
+        self.reader.submit([values], consume)
+
+    @guarded("batch_fingerprints.backward")
+    def _on_backward(self, forwards: list[Forward]) -> None:
+        self._step.extend(self._pending)
+        self._pending = []
+
+    # -- step end ---------------------------------------------------------------------------------
+    @guarded("batch_fingerprints.step")
+    def _on_step_end(self, record: StepRecord) -> None:
+        self.reader.poll()
+        self._resolve_late()
+        slots, self._step, self._pending = self._step, [], []
+        loader, state = self._loader, self._loader_state
+        self._loader = self._loader_state = None
+        if slots and all(s[0] is not None for s in slots):
+            record.batch_fp = _combine(slots)
+            self._judge(record.step, record.batch_fp, loader, state)
+        elif slots:
+            # A GPU read not back yet: the fingerprint follows as a step_values event.
+            self._late.append((record.step, slots, loader, state))
+            del self._late[:-8]
+        else:
+            self._judge(record.step, None, loader, state)
+
+    def _resolve_late(self) -> None:
+        still = []
+        for step, slots, loader, state in self._late:
+            if all(s[0] is not None for s in slots):
+                fp = _combine(slots)
+                self.agent.record_event("step_values", step=step, batch_fp=fp)
+                self._judge(step, fp, loader, state)
+            else:
+                still.append((step, slots, loader, state))
+        self._late = still
+
+    def _judge(self, step: int, fp: Optional[int], loader: Optional["LoaderInfo"],
+               state: Optional[tuple[int, int]]) -> None:
+        """The same batch, step after step, from a loader that did not end an epoch in between."""
+        self._history.append((step, fp, loader, state))
+        del self._history[:-REPEAT_STEPS]
+        if self._reported or len(self._history) < REPEAT_STEPS or fp is None:
+            return
+        first = self._history[0]
+        if any(h[1] != fp or h[2] is not loader for h in self._history):
+            return
+        if loader is None or loader.batches is None or loader.batches <= 1:
+            return  # no loader (a fixed batch by design, a rollout reused), or one batch per epoch
+        epochs = {h[3][0] for h in self._history if h[3] is not None}
+        if len(epochs) != 1:
+            return  # an epoch ended in between: a dataset seen again
+        iterators = [h[3][1] for h in self._history if h[3] is not None]
+        fresh = len(iterators) == len(self._history) and all(b > a for a, b in zip(iterators, iterators[1:]))
+        self._reported = True
+        self.agent.record_event("batch_repeat", step=first[0] + 1, repeats=len(self._history),
+                                first_step=first[0], batches_per_epoch=loader.batches,
+                                new_iterator_every_step=fresh, sampler=loader.sampler, dataset=loader.dataset)
+
+
+def _digest(header: bytes, values: bytes) -> int:
+    """52 bits of BLAKE2b over the shape, dtype and sampled values (float64):
+    the same on every process (Python's own hash of a NaN is not)."""
+    return int.from_bytes(hashlib.blake2b(header + values, digest_size=8).digest(), "little") & MASK
+
+
+def _combine(slots: list[list[Optional[int]]]) -> int:
+    if len(slots) == 1:
+        return int(slots[0][0])  # type: ignore[arg-type]
+    return hash(tuple(s[0] for s in slots)) & MASK
+
+
+def attach(agent: "Agent", models: Optional[TrainedModels], loaders: Optional["LoaderTracker"]) -> Optional[BatchFingerprints]:
+    if models is None:
+        return None
+    return BatchFingerprints(agent, models, loaders)

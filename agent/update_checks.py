@@ -1,0 +1,353 @@
+"""Does the optimizer step do what training needs? Four checks, each on a
+few steps only (the first ones, after the model or its optimizers change,
+then every CHECK_EVERY steps), each reported once as an event:
+
+- `not_in_optimizer`: parameters of a trained model with ``requires_grad``
+  that hold a gradient at the step's end but are in no optimizer (a head
+  replaced after the optimizer was built, a parameter list that misses
+  some). Frozen parameters (``requires_grad=False``), EMA or teacher copies
+  (no gradient) are not flagged. Two checks in a row.
+- `not_updated`: parameters of an optimizer's group with a learning rate
+  above 0 and a non-zero gradient whose values are bit for bit the same
+  after the optimizer stepped (a float64 norm before and after: any update
+  of any element shows), on two checked steps in a row. A GradScaler step
+  skipped for an overflow never calls the optimizer, so it is never seen.
+- `grads_not_cleared`: the gradient a parameter held when the optimizer
+  stepped is still there, unchanged, when the next step's first backward
+  adds to it, and no ``zero_grad`` ran before that step (accumulation
+  within a step is normal). Read through a tensor hook on two parameters,
+  before the gradient is accumulated.
+- `unreduced_backward`: the optimizer steps on gradients whose last backward
+  DDP did not reduce: a forward through ``ddp.module`` (or inside
+  ``no_sync()``) not followed by one through DDP itself. Every step.
+
+Device values are read through the deferred device read (no sync);
+sharded parameters (DTensor) are read through their local shard (no
+collective). The device path was never run on a GPU here (the tests use a
+GPU-like double of the read).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+
+from rankwatch.wire import StepRecord
+
+from .grad_checks import _DeferredRead, fp32_norms
+from . import models as models_mod
+from .models import Forward, TrainedModels
+from .safety import guarded
+
+if TYPE_CHECKING:
+    from .runtime import Agent
+
+CHECK_STEPS = (0, 1, 2, 3)
+CHECK_EVERY = 64
+MAX_NAMES = 16
+SAMPLE_PARAMS = 2
+SAMPLE_ELEMENTS = 8
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (reading it needs no collective); any other tensor as is."""
+    if type(tensor).__name__ == "DTensor":
+        to_local = getattr(tensor, "to_local", None)
+        if to_local is not None:
+            return to_local()
+    return tensor
+
+
+def _lr_positive(group: dict) -> bool:
+    lr = group.get("lr")
+    if isinstance(lr, torch.Tensor):
+        return lr.device.type != "cpu" or float(lr) > 0
+    try:
+        return float(lr) > 0
+    except (TypeError, ValueError):
+        return True
+
+
+class UpdateChecks:
+    def __init__(self, agent: "Agent", models: TrainedModels) -> None:
+        self.agent = agent
+        self.models = models
+        self.reader = _DeferredRead()
+        self.reported: set[str] = set()
+        self._checked_version = -1
+        self._recheck_until = -1
+        # not_in_optimizer: names seen without an optimizer at the previous check
+        self._orphans_before: Optional[tuple[int, frozenset]] = None
+        # not_updated: per optimizer, (step, names, grad norms, norms before) waiting for the post hook
+        self._before: dict[int, tuple[int, list[str], list[torch.Tensor], list[torch.Tensor], list[Any]]] = {}
+        self._unchanged: dict[int, tuple[int, frozenset]] = {}  # id(optimizer) -> (step, unchanged names)
+        # grads_not_cleared
+        self._watch: list[dict[str, Any]] = []
+        self._closed: list[dict[str, Any]] = []  # watches waiting for their device values
+        self._zeroed = False
+        # unreduced_backward
+        self._unreduced: Optional[Forward] = None
+        self._unreduced_reported = False
+
+    def install(self) -> None:
+        models = self.models
+        models.on_training_backward.append(self._on_backward)
+        models.on_optimizer_pre.append(self._on_optimizer_pre)
+        models.on_optimizer_post.append(self._on_optimizer_post)
+        self.agent.progress.step_extras.append(self._on_step_end)
+        checks = self
+
+        def make_zero_grad(original):
+            @functools.wraps(original)
+            def zero_grad(*args, **kwargs):
+                checks._zeroed = True
+                return original(*args, **kwargs)
+
+            return zero_grad
+
+        self.agent.patches.apply(torch.optim.Optimizer, "zero_grad", make_zero_grad)
+        self.agent.patches.apply(torch.nn.Module, "zero_grad", make_zero_grad)
+
+    def _checking(self, step: int) -> bool:
+        return step in CHECK_STEPS or step % CHECK_EVERY == 0 or step <= self._recheck_until
+
+    def _report(self, check: str, step: int, **details: Any) -> None:
+        if check in self.reported:
+            return
+        self.reported.add(check)
+        self.agent.record_event("broken_update", step=step, check=check, **details)
+
+    # -- unreduced backward (every step: flags only) -------------------------------------------------
+    @guarded("update_checks.backward")
+    def _on_backward(self, forwards: list[Forward]) -> None:
+        if any(f.via == "ddp" for f in forwards):
+            self._unreduced = None  # DDP reduces what was accumulated so far, too
+            return
+        odd = next((f for f in forwards if f.via in ("module", "no_sync") and f.training), None)
+        if odd is not None:
+            self._unreduced = odd
+
+    # -- optimizer step ----------------------------------------------------------------------------
+    @guarded("update_checks.optimizer")
+    def _on_optimizer_pre(self, optimizer: Any) -> None:
+        step = self.agent.progress.step
+        if self._unreduced is not None and not self._unreduced_reported:
+            forward = self._unreduced
+            self._unreduced_reported = True  # the first step it happened is what the collector needs
+            self.agent.record_event("unreduced_backward", step=step, via=forward.via, module=forward.root.label,
+                                    site=forward.site or "")
+        self._stale_at_step(optimizer, step)
+        if not self._checking(step) or "not_updated" in self.reported:
+            return
+        names, params, grads = [], [], []
+        for group in getattr(optimizer, "param_groups", []):
+            if not _lr_positive(group):
+                continue
+            for p in group.get("params", []):
+                g = p.grad
+                if g is None or g.is_sparse or p.is_sparse or not p.requires_grad:
+                    continue
+                names.append(self.models.name_of(p) or f"<{tuple(p.shape)}>")
+                params.append(local(p.detach()))
+                grads.append(local(g.detach()))
+                if len(params) >= 4096:
+                    break
+        if not params:
+            return
+        with torch.no_grad():
+            before = _norms64(params)
+            grad_norms = fp32_norms(grads)
+        self._before[id(optimizer)] = (step, names, grad_norms, before, params)
+
+    @guarded("update_checks.optimizer")
+    def _on_optimizer_post(self, optimizer: Any) -> None:
+        entry = self._before.pop(id(optimizer), None)
+        if entry is None:
+            return
+        step, names, grad_norms, before, params = entry
+        with torch.no_grad():
+            after = _norms64(params)
+            # Compared on the device in float64: the deferred read brings float32 back,
+            # which would hide a small update of a big tensor.
+            moved = (torch.stack(after) != torch.stack(before)).float()
+        n = len(names)
+        key = id(optimizer)
+
+        def consume(values: list[float], step=step, names=names, n=n, key=key) -> None:
+            grads, changed = values[:n], values[n:2 * n]
+            still = frozenset(name for name, g, c in zip(names, grads, changed) if g > 0 and c == 0)
+            self._note_unchanged(key, step, still)
+
+        self.reader.submit(list(grad_norms) + [moved], consume)
+
+    def _note_unchanged(self, key: int, step: int, still: frozenset) -> None:
+        previous = self._unchanged.get(key)
+        self._unchanged[key] = (step, still)
+        if previous is None or previous[0] >= step:
+            return
+        both = sorted(still & previous[1])
+        if both:
+            self._report("not_updated", previous[0], parameters=both[:MAX_NAMES], count=len(both), confirmed_at=step)
+
+    # -- step end ---------------------------------------------------------------------------------
+    @guarded("update_checks.step")
+    def _on_step_end(self, record: StepRecord) -> None:
+        self.reader.poll()
+        if self._closed:
+            self._judge_stale()
+        step = record.step
+        self._unreduced = None
+        if self.models.version != self._checked_version:
+            self._checked_version = self.models.version
+            self._recheck_until = step + 2  # the model or its optimizers changed: look again
+        if self._checking(step):
+            self._check_orphans(step)
+            self._arm_stale_watch(step)
+        self._zeroed = False
+
+    def _check_orphans(self, step: int) -> None:
+        if "not_in_optimizer" in self.reported or not self.models.discovered:
+            return
+        optimized = self.models.optimized()
+        orphans = frozenset(name for name, p in self.models.named_parameters()
+                            if p.requires_grad and p.grad is not None and id(p) not in optimized)
+        before, self._orphans_before = self._orphans_before, (step, orphans)
+        both = sorted(orphans & before[1]) if before is not None else []
+        if not both:
+            return
+        first = before[0]  # the first of the two checks that saw them
+        in_model = {id(p) for _, p in self.models.named_parameters()}
+        stale = sum(1 for key in optimized if key not in in_model)
+        self._report("not_in_optimizer", first, parameters=both[:MAX_NAMES], count=len(both),
+                     optimizer_tensors_not_in_model=stale, confirmed_at=step)
+
+    # -- gradients never cleared --------------------------------------------------------------------
+    def _arm_stale_watch(self, step: int) -> None:
+        """After a checked step: remember a few elements of two of the lead
+        optimizer's parameters' gradients, and look at them again when the
+        next backward reaches them (a tensor hook runs before the new
+        gradient is added to `.grad`)."""
+        self._disarm()
+        if "grads_not_cleared" in self.reported:
+            return
+        lead = self.agent.progress._lead() if self.agent.progress._lead is not None else None
+        members = {id(p) for g in getattr(lead, "param_groups", []) for p in g.get("params", [])}
+        candidates = [(n, p) for n, p in self.models.named_parameters()
+                      if id(p) in members and p.requires_grad and p.grad is not None and not p.grad.is_sparse
+                      and p.grad.numel() > 0]
+        if not candidates:
+            return
+        picks = [candidates[0]] + ([candidates[len(candidates) // 2]] if len(candidates) > 2 else [])
+        for name, param in picks[:SAMPLE_PARAMS]:
+            grad = local(param.grad.detach())
+            index = _sample_index(grad)
+            watch: dict[str, Any] = {"name": name, "param": weakref.ref(param), "grad": weakref.ref(param.grad),
+                                     "index": index, "before": None, "seen": None, "step": step,
+                                     "fired": False, "cleared": False}
+            self._read(grad, index, watch, "before")
+            try:
+                watch["handle"] = param.register_hook(self._first_grad(watch))
+            except RuntimeError:
+                continue
+            self._watch.append(watch)
+
+    def _read(self, grad: torch.Tensor, index: torch.Tensor, watch: dict, slot: str) -> None:
+        values = grad.take(index)
+        if models_mod.on_host(values):
+            watch[slot] = values.tolist()
+            return
+
+        def consume(read: list[float], watch=watch, slot=slot) -> None:
+            watch[slot] = read
+
+        self.reader.submit([values], consume)
+
+    def _first_grad(self, watch: dict) -> Callable:
+        checks = self
+
+        def hook(new_grad):
+            checks._on_first_grad(watch)
+            return None
+
+        return hook
+
+    @guarded("update_checks.stale")
+    def _on_first_grad(self, watch: dict) -> None:
+        """The next step's first gradient reaches the parameter, before it is added to `.grad`."""
+        if watch["fired"]:
+            return
+        watch["fired"] = True
+        param = watch["param"]()
+        grad = param.grad if param is not None else None
+        if grad is None or grad is not watch["grad"]() or self._zeroed:
+            watch["cleared"] = True
+            return
+        self._read(local(grad.detach()), watch["index"], watch, "seen")
+
+    def _stale_at_step(self, optimizer: Any, step: int) -> None:
+        """Before the lead optimizer's next step: were its gradients cleared since the last one?"""
+        lead = self.agent.progress._lead() if self.agent.progress._lead is not None else None
+        if not self._watch or (lead is not None and optimizer is not lead):
+            return
+        for watch in self._watch:
+            param = watch["param"]()
+            if self._zeroed or param is None or param.grad is not watch["grad"]():
+                watch["cleared"] = True  # zero_grad ran, or the gradient was set to None, before this step
+            watch["applied_at"] = step
+        closed = [w for w in self._watch if w["fired"]]
+        self._disarm()
+        self._closed.extend(closed)
+        del self._closed[:-8]
+        self._judge_stale()
+
+    def _judge_stale(self) -> None:
+        """Once the device values are read: the same non-zero values at the next
+        step's first backward, and no clearing before its optimizer step."""
+        if any(not w["cleared"] and (w["before"] is None or w["seen"] is None) for w in self._closed):
+            return  # a device read not back yet
+        closed, self._closed = self._closed, []
+        if not closed:
+            return
+        stale = [not w["cleared"] and any(v != 0 for v in w["before"]) and list(w["seen"]) == list(w["before"])
+                 for w in closed]
+        if all(stale):
+            self._report("grads_not_cleared", min(w["applied_at"] for w in closed),
+                         parameters=sorted({w["name"] for w in closed}),
+                         checked_after_step=min(w["step"] for w in closed))
+
+    def _disarm(self) -> None:
+        for watch in self._watch:
+            handle = watch.pop("handle", None)
+            if handle is not None:
+                try:
+                    handle.remove()
+                except Exception:
+                    pass
+        self._watch = []
+
+
+def _sample_index(grad: torch.Tensor) -> torch.Tensor:
+    n = grad.numel()
+    count = min(SAMPLE_ELEMENTS, n)
+    positions = sorted({(i * (n - 1)) // max(1, count - 1) for i in range(count)})
+    return torch.tensor(positions, dtype=torch.int64, device=grad.device)
+
+
+def _norms64(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One float64 norm per tensor: any change of any element shows (a float32
+    norm of a big tensor hides a small update)."""
+    try:
+        return list(torch._foreach_norm(tensors, 2, dtype=torch.float64))
+    except (TypeError, RuntimeError):
+        return [torch.linalg.vector_norm(t, dtype=torch.float64) for t in tensors]
+
+
+def attach(agent: "Agent", models: Optional[TrainedModels]) -> Optional[UpdateChecks]:
+    if models is None:
+        return None
+    checks = UpdateChecks(agent, models)
+    checks.install()
+    return checks

@@ -1,0 +1,273 @@
+"""`config_divergence`: ranks that must train the same way do not.
+
+Each rank's agent sends its training facts when they change
+(`train_config` events, agent/train_config.py): module train/eval modes,
+gradient clipping, autocast, micro-batches per optimizer step, the
+GradScaler's loss scale, the trained parameters' count, shapes and dtypes,
+the batches per epoch of the loader feeding the training forwards, and the
+values the user declared with `expect_same`. Optimizer hyper-parameters
+come with every step record as a digest (`optim_fp`, and `lr`).
+
+At each sealed step (every live rank has reported a later one, so every
+rank's facts up to this step are in) the ranks are compared within their
+data-parallel group (the ranks their DDP averages over; without DDP, all
+ranks, and the parameter facts only when the start fingerprints showed the
+ranks are replicas). Facts are compared only when some rank's facts
+changed; the digest on every step (O(ranks)). The culprits are the ranks
+that differ from the majority, every rank compared if there is none; for
+batches per epoch (no `Join` in use), the ranks with fewer batches: they
+leave the epoch first and the others wait for them (the hang that follows
+is this verdict's consequence). The loss scale, read late from a GPU, must
+differ on two sealed steps in a row.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from rankwatch import wire
+
+from ..state import RunState
+from .common import StepEvents, majority, pairs, ranks_text, register_tracker, settle, tracker, verb, verdict
+from .weight_divergence import start_replicas
+
+NOT_COMPARED = ("replicas", "join")
+SLOW_KEYS = ("loss_scale",)  # read from the device a step late: must differ on two sealed steps
+LISTED_RANKS = 64
+OPTIMIZER = "optimizer"
+
+
+def describe(key: str) -> str:
+    if key == "mode" or key.startswith("mode."):
+        which = key.split(".", 1)[1] if "." in key else ""
+        return f"Train/eval mode{' of ' + which if which else ''}"
+    if key.startswith("user."):
+        return f"The value declared with expect_same({key[5:]!r})"
+    return {
+        "clip": "Gradient clipping",
+        "autocast": "Autocast (mixed precision)",
+        "micro_batches": "The number of micro-batches (backwards) per optimizer step",
+        "loss_scale": "The GradScaler loss scale",
+        "params": "The trained parameters (count, shapes or dtypes)",
+        "batches_per_epoch": "Batches per epoch",
+        "lr": "The learning rate",
+        OPTIMIZER: "Optimizer hyper-parameters (momentum/betas, weight decay, eps, or another param group's "
+                   "learning rate)",
+    }.get(key, f"The training fact {key!r}")
+
+
+HINTS = {
+    "mode": "a model.eval() (for validation, on some ranks) without a model.train() after it?",
+    "clip": "clipping called inside a block that runs on some ranks only?",
+    "autocast": "autocast switched on by a per-node or per-rank setting?",
+    "micro_batches": "gradient accumulation counted differently on some ranks?",
+    "loss_scale": "a GradScaler whose overflow checks are not shared between ranks?",
+    "params": "a model built differently on some ranks (a per-rank option, a different checkpoint)?",
+    "lr": "a learning-rate scheduler stepped on some ranks only (inside a rank-0 block)?",
+    OPTIMIZER: "a scheduler or a param-group change applied on some ranks only?",
+}
+
+
+def _hint(key: str) -> str:
+    if key.startswith("mode"):
+        return HINTS["mode"]
+    if key.startswith("user."):
+        return "the ranks do not see the same value: check where it comes from on each node."
+    return HINTS.get(key, "")
+
+
+class Tracker:
+    def __init__(self) -> None:
+        self.events = StepEvents(("train_config",))
+        self.facts: dict[int, dict[str, str]] = {}
+        self.sites: dict[int, dict[str, str]] = {}
+        self.changed = False
+        self.frontier: dict[int, int] = {}  # each rank's newest step record
+        self._deferred_values: Optional[dict] = None
+        self.replicas: Optional[bool] = None
+        self.finding: Optional[dict] = None
+        self._slow: Optional[tuple[int, dict]] = None  # a difference in slow facts only, at one step
+        # Parameters differing without DDP before the start fingerprints said whether the ranks are replicas.
+        self._deferred: Optional[tuple[int, dict, dict]] = None
+
+    def on_event(self, run: RunState, rank: int, event: wire.Event) -> None:
+        self.events.add(rank, event)
+
+    def on_record(self, run: RunState, rank: int, record: wire.StepRecord) -> None:
+        if record.step > self.frontier.get(rank, -1):
+            self.frontier[rank] = record.step
+
+    def on_prints(self, run: RunState, step: int, prints: dict[int, dict]) -> None:
+        if self.replicas is None and any(fp.get("at") == "start" for fp in prints.values()):
+            self.replicas = start_replicas(prints)
+            deferred, self._deferred = self._deferred, None
+            if self.replicas and deferred is not None and self.finding is None:
+                self._finding(run, *deferred)  # the parameters differed from that step: replicas after all
+
+    def on_step(self, run: RunState, step: int, records: dict[int, wire.StepRecord]) -> None:
+        for rank, event in self.events.due(step):
+            facts = self.facts.setdefault(rank, {})
+            for key, value in pairs(event.details.get("facts")).items():
+                if value:
+                    facts[key] = value
+                else:
+                    facts.pop(key, None)
+            sites = self.sites.setdefault(rank, {})
+            sites.update(pairs(event.details.get("sites")))
+            self.changed = True
+        if self.finding is not None:
+            return
+        groups = self._groups(records)
+        found: dict[str, dict[int, str]] = {}
+        for ranks in groups:
+            optim = {r: records[r].optim_fp for r in ranks if records[r].optim_fp is not None}
+            if len(set(optim.values())) > 1:
+                lrs = {r: records[r].lr for r in optim if records[r].lr is not None}
+                if len(lrs) == len(optim) and len(set(lrs.values())) > 1:
+                    found["lr"] = {r: f"{v:.6g}" for r, v in lrs.items()}
+                else:
+                    found[OPTIMIZER] = {r: f"#{v:013x}" for r, v in optim.items()}
+        if self.changed or self._slow is not None:
+            # Facts as of this step: every rank that has reached it (at scale a
+            # sealed step holds only the ranks whose sampled records include it).
+            self.changed = False
+            reached = {r: None for r in self.facts if self.frontier.get(r, -1) >= step}
+            self._deferred_values = None
+            for ranks in self._groups(reached):
+                found.update(self._compare(ranks))
+            if self._deferred_values is not None and self._deferred is None:
+                self._deferred = (step, records, {"params": self._deferred_values})
+        slow_only = bool(found) and all(k in SLOW_KEYS for k in found)
+        if slow_only:
+            previous, self._slow = self._slow, (step, found)
+            if previous is None or previous[0] >= step:
+                return
+            step, found = previous  # the first step of the two
+        else:
+            self._slow = None
+        if found:
+            self._finding(run, step, records, found)
+
+    def _groups(self, ranks) -> list[list[int]]:
+        """Ranks of one data-parallel group (the DDP's process group) together."""
+        groups: dict[str, list[int]] = {}
+        for rank in sorted(ranks):
+            facts = self.facts.get(rank)
+            key = facts.get("replicas", "none") if facts else "none"
+            groups.setdefault(key, []).append(rank)
+        return [ranks for ranks in groups.values() if len(ranks) >= 2]
+
+    def _compare(self, ranks: list[int]) -> dict[str, dict[int, str]]:
+        with_facts = [r for r in ranks if r in self.facts]
+        if len(with_facts) < 2:
+            return {}
+        no_ddp = all(self.facts[r].get("replicas", "none") == "none" for r in with_facts)
+        joined = any(self.facts[r].get("join") == "yes" for r in with_facts)
+        keys: set[str] = set()
+        for r in with_facts:
+            keys.update(self.facts[r])
+        out = {}
+        for key in sorted(keys):
+            if key in NOT_COMPARED or (key == "batches_per_epoch" and joined):
+                continue
+            values = {r: self.facts[r][key] for r in with_facts if key in self.facts[r]}
+            if len(values) < 2 or len(set(values.values())) <= 1:
+                continue
+            if key == "params" and no_ddp and not self.replicas:
+                # Without DDP, only replicas must hold the same parameters: known from the start fingerprints.
+                if self.replicas is None and self._deferred is None:
+                    self._deferred_values = values
+                continue
+            out[key] = values
+        return out
+
+    def _finding(self, run: RunState, step: int, records: dict[int, wire.StepRecord],
+                 found: dict[str, dict[int, str]]) -> None:
+        culprits: set[int] = set()
+        per_key = {}
+        for key, values in found.items():
+            if key == "batches_per_epoch":
+                numbers = {r: int(v) for r, v in values.items() if v.isdigit()}
+                common, odd = majority(numbers)
+                if common is None and numbers:
+                    fewest = min(numbers.values())
+                    odd = sorted(r for r, v in numbers.items() if v == fewest)
+            else:
+                common, odd = majority(values)
+                if common is None:
+                    odd = sorted(values)
+            culprits.update(odd)
+            per_key[key] = odd
+        ranks = sorted(culprits)
+        ended = [records[r].ended_at for r in ranks if r in records] or [rec.ended_at for rec in records.values()]
+        self.finding = {"step": step, "ranks": ranks, "found": found, "per_key": per_key,
+                        "first_at": min(ended) if ended else None,
+                        "sites": {key: {r: self.sites.get(r, {}).get(key, "") for r in values}
+                                  for key, values in found.items()}}
+
+
+register_tracker("config_divergence", Tracker)
+
+
+def _listed(values: dict[int, Any], culprits: list[int]) -> dict[str, Any]:
+    ranks = sorted(values)
+    if len(ranks) > LISTED_RANKS:
+        keep = set(culprits[: LISTED_RANKS // 2]) | set(r for r in ranks if r not in culprits)
+        ranks = sorted(keep)[:LISTED_RANKS]
+    return {str(r): values[r] for r in ranks}
+
+
+def _sentence(key: str, values: dict[int, str], odd: list[int], sites: dict[int, str]) -> str:
+    if key == "batches_per_epoch":
+        numbers = {r: int(v) for r, v in values.items() if v.isdigit()}
+        few = sorted(odd)
+        many = sorted(r for r in numbers if r not in odd)
+        few_n = sorted({numbers[r] for r in few})
+        many_n = sorted({numbers[r] for r in many})
+        if len(few_n) == 1 and len(many_n) == 1:
+            head = f"{ranks_text(few).capitalize()} had {few_n[0]} batches per epoch, {ranks_text(many)} had {many_n[0]}"
+        else:
+            head = "Batches per epoch differ: " + ", ".join(f"rank {r}: {n}" for r, n in sorted(numbers.items())[:16])
+        return (f"{head}: the data is split unevenly between ranks and no Join is in use, so at the end of the "
+                f"first epoch the ranks with fewer batches leave the loop while the others wait for them in the "
+                f"next collective (a hang or a collective mismatch). Split the data with DistributedSampler "
+                f"(equal shares, padded) or wrap the loop in torch.distributed.algorithms.Join.")
+    by_value: dict[str, list[int]] = {}
+    for rank, value in values.items():
+        by_value.setdefault(value, []).append(rank)
+    ordered = sorted(by_value.items(), key=lambda kv: (not set(kv[1]) & set(odd), -len(kv[1]), kv[1][0]))
+    parts = []
+    for value, ranks in ordered[:4]:
+        shown = value if len(value) <= 120 else value[:117] + "..."
+        site = next((sites.get(r) for r in ranks if sites.get(r) and set(ranks) & set(odd)), "")
+        parts.append(f"{ranks_text(ranks)} {verb(ranks, 'has', 'have')} {shown!r}" + (f" (set at {site})" if site else ""))
+    hint = _hint(key)
+    return f"{describe(key)} differs between ranks: {'; '.join(parts)}." + (f" Cause: {hint}" if hint else "")
+
+
+def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
+    settle(run, final)
+    finding = tracker(run, "config_divergence").finding
+    if finding is None:
+        return []
+    step, ranks, found = finding["step"], finding["ranks"], finding["found"]
+    ordered_keys = sorted(found, key=lambda k: (k != "batches_per_epoch", k))
+    sentences = [_sentence(k, found[k], finding["per_key"][k], finding["sites"].get(k, {})) for k in ordered_keys]
+    causes = ", ".join(describe(k).lower() for k in ordered_keys[:4] if k != "batches_per_epoch")
+    if ordered_keys[0] == "batches_per_epoch":
+        summary = " ".join(sentences)
+    else:
+        summary = (f"{ranks_text(ranks).capitalize()} {verb(ranks, 'trains', 'train')} differently from "
+                   f"{'the other ranks' if len(ranks) < len(found[ordered_keys[0]]) else 'each other'} from step "
+                   f"{step} ({causes}). " + " ".join(sentences))
+    evidence: dict[str, Any] = {
+        "differing": ordered_keys,
+        "facts": {k: _listed(found[k], finding["per_key"][k]) for k in ordered_keys},
+        "sites": {k: {str(r): s for r, s in v.items() if s} for k, v in finding["sites"].items()},
+        "culprits_by_fact": {k: finding["per_key"][k] for k in ordered_keys},
+    }
+    if "batches_per_epoch" in found:
+        evidence["ranks"] = {str(r): {"batches_per_epoch": int(v)} for r, v in found["batches_per_epoch"].items()
+                             if v.isdigit()}
+    first = finding["first_at"] if finding["first_at"] is not None else now
+    return [verdict("config_divergence", ranks, step, first, now, summary[:4000], evidence)]

@@ -1,0 +1,297 @@
+"""The agent's silent-error parts, in one process (a gloo world of size 1,
+the agent attached in process): what is trained is found without DDP, the
+facts are what the script did (modes with their line, clipping, autocast,
+micro-batches, a user's declared value), batch fingerprints follow the data
+and keep none of it, the update checks flag what they must and nothing
+else, and rankwatch's hooks never travel with a copy of the model
+(``copy.deepcopy`` for an EMA, ``torch.save(model)``)."""
+
+from __future__ import annotations
+
+import copy
+import io
+import os
+import pickle
+import socket
+import weakref
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from rankwatch import config as config_mod
+from rankwatch import wire
+from rankwatch.agent.runtime import Agent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def agent():
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
+    agent = Agent(config_mod.Config(fingerprint_every=2),
+                  wire.RankIdentity(run_id="t", rank=0, local_rank=0, world_size=1), None)
+    agent.install()
+    dist.init_process_group("gloo")
+    yield agent
+    agent.uninstall()
+    dist.destroy_process_group()
+
+
+def _facts(agent) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for e in agent.events_log:
+        if e.kind == "train_config":
+            out.update({k: v for k, v in e.details["facts"]})
+    return out
+
+
+def _events(agent, kind: str) -> list:
+    return [e for e in agent.events_log if e.kind == kind]
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.1))
+        self.head = torch.nn.Linear(16, 2)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def test_models_without_ddp_named_and_modes_with_their_line(agent):
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    for step in range(4):
+        if step == 2:
+            net.body[2].eval()  # a submodule switched off, on purpose or not
+        opt.zero_grad()
+        net(x).sum().backward()
+        opt.step()
+    models = agent.models
+    assert [r.label for r in models.roots] == ["Net"] and models.roots[0].ddp is None
+    assert [n for n, _ in models.named_parameters()] == ["body.0.weight", "body.0.bias", "head.weight", "head.bias"]
+    facts = _facts(agent)
+    assert facts["mode"] == "train; eval: body.2"
+    sites = {k: v for e in _events(agent, "train_config") for k, v in e.details.get("sites", [])}
+    assert sites["mode"].startswith("test_silent_agent.py:")
+    assert facts["micro_batches"] == "1" and facts["replicas"] == "none" and facts["clip"] == "none"
+    assert not _events(agent, "broken_update")
+
+
+def test_facts_follow_the_script(agent):
+    import rankwatch.agent as rw
+
+    net = Net()
+    model = DDP(net)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    rw.expect_same("tokenizer", "a" * 500)
+    rw.expect_same("api_token", "s3cr3t-value")
+    for step in range(3):
+        opt.zero_grad()
+        for micro in range(2):
+            with model.no_sync() if micro == 0 else torch.enable_grad():
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    out = model(torch.randn(4, 8))
+                out.float().sum().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=2.0)
+        opt.step()
+    facts = _facts(agent)
+    assert facts["autocast"] == "cpu bfloat16" and facts["micro_batches"] == "2"
+    assert facts["clip"] == "norm 2" and facts["replicas"].startswith("ddp:1:")
+    assert facts["user.tokenizer"].startswith("sha256:")  # long: a digest
+    assert facts["user.api_token"].startswith("sha256:") and "s3cr3t" not in str(agent.events_log)
+    records = list(agent.progress.recent)
+    assert all(r.optim_fp is not None and r.lr == pytest.approx(1e-3) for r in records)
+    assert len({r.batch_fp for r in records}) == 3  # three different batches
+
+
+def test_batch_fingerprints_follow_the_data_and_keep_none_of_it(agent):
+    model = DDP(Net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fixed = torch.randn(4, 8)
+    batches = [fixed, fixed.clone(), torch.randn(4, 8), fixed]
+    refs = []
+    for x in batches:
+        refs.append(weakref.ref(x))
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+    prints = [r.batch_fp for r in agent.progress.recent]
+    assert prints[0] == prints[1] == prints[3] != prints[2]
+    del batches, x, fixed
+    assert all(ref() is None for ref in refs), "rankwatch kept a batch alive"
+
+
+def test_same_batch_from_a_new_iterator_every_step_is_reported_once(agent):
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8))
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    model = DDP(Net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(7):
+        (x,) = next(iter(loader))
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+    (event,) = _events(agent, "batch_repeat")
+    assert event.details["new_iterator_every_step"] is True and event.details["batches_per_epoch"] == 8
+    # A loader of one batch, iterated epoch after epoch: the same batch is its whole dataset.
+    small = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 8)), batch_size=8)
+    agent.events_log.clear()
+    agent.train_config  # noqa: B018 (attached)
+    for epoch in range(6):
+        for (x,) in small:
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+    assert not _events(agent, "batch_repeat")
+
+
+def test_update_checks(agent):
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    net.head = torch.nn.Linear(16, 2)  # replaced after the optimizer was built
+    frozen = torch.nn.Linear(8, 8)
+    frozen.requires_grad_(False)
+    ema = copy.deepcopy(net).requires_grad_(False)
+    for step in range(4):
+        opt.zero_grad()
+        net(frozen(torch.randn(4, 8))).sum().backward()
+        opt.step()
+        with torch.no_grad():
+            for e, p in zip(ema.parameters(), net.parameters()):
+                e.lerp_(p, 0.5)
+    (event,) = _events(agent, "broken_update")
+    assert event.details["check"] == "not_in_optimizer" and event.step == 0
+    assert event.details["parameters"] == ["head.bias", "head.weight"]
+    assert event.details["optimizer_tensors_not_in_model"] == 2
+
+
+def test_gradients_never_cleared_and_a_backward_ddp_never_saw(agent):
+    model = DDP(Net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(4):
+        forward = model.module if step == 2 else model
+        forward(torch.randn(4, 8)).sum().backward()  # no zero_grad at all
+        opt.step()
+    checks = {e.details["check"]: e.step for e in _events(agent, "broken_update")}
+    assert checks == {"grads_not_cleared": 1}
+    (unreduced,) = _events(agent, "unreduced_backward")
+    assert unreduced.step == 2 and unreduced.details["via"] == "module"
+    assert unreduced.details["site"].startswith("test_silent_agent.py:")
+
+
+def test_hooks_never_travel_with_a_copy_of_the_model(agent):
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    model = DDP(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for _ in range(2):
+        model(torch.randn(8, 4)).sum().backward()
+        opt.step()
+    assert net._forward_pre_hooks  # rankwatch's are on the model ...
+    ema = copy.deepcopy(net)  # ... not on its copy, and the agent was not copied along
+    assert not ema._forward_pre_hooks and not ema._forward_pre_hooks_with_kwargs
+    buffer = io.BytesIO()
+    torch.save(net, buffer)
+    assert b"rankwatch" not in buffer.getvalue()
+    assert b"rankwatch" not in pickle.dumps(net)
+    assert net._forward_pre_hooks  # the original keeps them
+    ema(torch.randn(8, 4))
+
+
+def test_parameters_their_optimizer_never_changes(agent):
+    """An optimizer that steps but leaves one group untouched (a custom
+    step that forgets a group); a group with lr 0 and a frozen layer are
+    left alone by design and not flagged."""
+
+    class ForgetsLastGroup(torch.optim.SGD):
+        @torch.no_grad()
+        def step(self, closure=None):
+            for group in self.param_groups[:-1]:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.add_(p.grad, alpha=-group["lr"])
+
+    net = Net()
+    opt = ForgetsLastGroup([{"params": net.body.parameters(), "lr": 0.1},
+                            {"params": net.head.parameters(), "lr": 0.1}])
+    still = torch.nn.Linear(2, 2)
+    zero_lr = torch.optim.SGD(still.parameters(), lr=0.0)
+    for step in range(3):
+        opt.zero_grad()
+        zero_lr.zero_grad()
+        (net(torch.randn(4, 8)).sum() + still(torch.randn(3, 2)).sum()).backward()
+        opt.step()
+        zero_lr.step()
+    (event,) = _events(agent, "broken_update")
+    assert event.details["check"] == "not_updated" and event.step == 0
+    assert event.details["parameters"] == ["Net.head.bias", "Net.head.weight"]
+
+
+class LateRead:
+    """A GPU-like double of the deferred device read: the values of a
+    submission come back at the second poll after it (a step late)."""
+
+    def __init__(self) -> None:
+        self.pending: list = []
+
+    def submit(self, values, consume) -> None:
+        if not values:
+            return
+        flat = torch.cat([v.detach().float().reshape(-1) for v in values]).tolist()
+        self.pending.append([2, flat, consume])
+
+    def poll(self) -> None:
+        still = []
+        for item in self.pending:
+            item[0] -= 1
+            if item[0] <= 0:
+                item[2](item[1])
+            else:
+                still.append(item)
+        self.pending = still
+
+
+@pytest.fixture
+def device_agent(monkeypatch):
+    """The agent as on a GPU: nothing is read on the host, every value comes late."""
+    from rankwatch.agent import batch_fingerprints, models, train_config, update_checks
+
+    monkeypatch.setattr(models, "on_host", lambda tensor: False)
+    for module in (batch_fingerprints, train_config, update_checks):
+        monkeypatch.setattr(module, "_DeferredRead", LateRead)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
+    agent = Agent(config_mod.Config(), wire.RankIdentity(run_id="t", rank=0, local_rank=0, world_size=1), None)
+    agent.install()
+    dist.init_process_group("gloo")
+    yield agent
+    agent.uninstall()
+    dist.destroy_process_group()
+
+
+def test_device_path_reports_late_with_the_right_steps(device_agent):
+    agent = device_agent
+    model = DDP(Net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    fixed = torch.randn(4, 8)
+    for step in range(6):
+        x = fixed if step in (1, 2) else torch.randn(4, 8)
+        scaler.scale(model(x).sum()).backward()  # no zero_grad: gradients never cleared
+        scaler.step(opt)
+        scaler.update()
+    assert all(r.batch_fp is None for r in agent.progress.recent)  # nothing read on the training thread
+    late = {e.step: e.details["batch_fp"] for e in _events(agent, "step_values") if "batch_fp" in e.details}
+    assert set(late) >= {0, 1, 2, 3} and late[1] == late[2] != late[3]
+    checks = {e.details["check"]: e.step for e in _events(agent, "broken_update")}
+    assert checks == {"grads_not_cleared": 1}
+    scale = [(e.step, dict(e.details["facts"]).get("loss_scale")) for e in _events(agent, "train_config")
+             if "loss_scale" in dict(e.details["facts"])]
+    assert scale and scale[0] == (1, "256"), scale  # the scale of update() after step 0 trains step 1, as on a CPU
