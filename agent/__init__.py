@@ -51,10 +51,8 @@ def observe(loss: Any = None, **metrics: Any) -> None:
         return
     try:
         if hasattr(loss, "detach"):
-            if loss.device.type != "cpu":
-                agent.progress._loss = loss.detach()  # read later without a sync
-                return
-            loss = float(loss.detach())
+            agent.progress.observe_loss_tensor(loss.detach())  # a deferred read, never a sync
+            return
         agent.progress.observe_loss(float(loss))
     except Exception:
         pass

@@ -1,25 +1,35 @@
 """Local-gradient checks on every DDP model, before the allreduce.
 
 A DDP communication hook sees each gradient bucket while it still holds this
-rank's *local* gradients (``GradBucket.buffer()``). The hook computes one norm
-per bucket on the device (no sync), then runs the user's hook, or DDP's
-default allreduce. At the end of the step the norms are read: directly on the
-CPU; on CUDA through a non-blocking copy into pinned memory that is read one
-step later, when its event has completed. Nothing here syncs the device or
-adds a collective.
+rank's *local* gradients (``GradBucket.buffer()``). On the steps the cost
+budget samples, the hook computes one float32 norm per parameter of the
+bucket (one fused ``_foreach_norm``); on the others a sparse finiteness probe
+(a gather of a few hundred elements, counted per parameter). Then it runs the
+user's hook, or DDP's default allreduce. The values are read on the host
+through the device adapter's deferred reads (agent/device.py) with the
+step's other device values: at the step's end on a CPU, a step or more later
+on a GPU, never with a sync, and they travel in the step's record
+(``grad_norm``, ``nonfinite_grads``). A non-finite value names its
+parameters; the origin rank is the one non-finite *before* the allreduce.
 
-When a norm is not finite, the parameters whose local gradient is not finite
-are named (only then, so the common path stays cheap). Under AMP's GradScaler
-an overflow step that the scaler skips is normal and is only counted.
+The same code runs on every device: the test double (``GpuLikeDouble``)
+makes CPU tests run what CUDA runs. No GPU run of it has been made here.
 
-A user hook registered with ``register_comm_hook`` is wrapped, not replaced.
+Under AMP's GradScaler, a step the scaler skips (an overflow) is counted
+when ``GradScaler.step`` returns without the optimizer having stepped; a
+backward without an optimizer step (gradient accumulation) is not an
+overflow. A user hook registered with ``register_comm_hook`` is wrapped, not
+replaced; under compiled autograd's Python reducer (which calls hooks per
+parameter with a ``(grad, param)`` tuple) the checks step aside.
+
+Cost: measured per bucket against DDP's built-in C++ allreduce in
+``bench/grad_check_cost.py`` (see its docstring for the figures).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -27,8 +37,10 @@ import torch
 
 from rankwatch.wire import StepRecord
 
+from . import device as device_mod
+from .device import DeferredReads
 from .patching import Patches, argument, binding_error
-from .safety import guarded, log
+from .safety import guarded, is_disabled, log
 
 if TYPE_CHECKING:
     from .runtime import Agent
@@ -37,9 +49,13 @@ MAX_NAMED = 8
 PROBE_ELEMENTS = 512  # elements per bucket and step, on steps the full check is sampled out
 PROBE_MIN, PROBE_MAX = 16, 8192
 PROBE_ROTATIONS = 16
+MAX_BUCKETS_PER_STEP = 4096  # device values kept per step, at most (a runaway never grows memory)
 
 # Module-wide patches (one DDP class, one GradScaler class for every agent).
 _PATCHES = Patches()
+
+# The deferred read, now the device adapter's (kept under its old name for importers).
+_DeferredRead = DeferredReads
 
 
 def fp32_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -63,6 +79,20 @@ def fp32_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 def unpatch() -> None:
     _PATCHES.undo()
     _CHECKERS.clear()
+
+
+def _compiling() -> bool:
+    try:
+        return bool(torch.compiler.is_compiling())
+    except Exception:
+        return False
+
+
+def _is_grad_bucket(bucket: Any) -> bool:
+    try:
+        return isinstance(bucket, torch.distributed.GradBucket)
+    except Exception:
+        return hasattr(bucket, "buffer") and hasattr(bucket, "index")
 
 
 def _patch_register_comm_hook() -> None:
@@ -92,35 +122,12 @@ def _original_register_comm_hook():
     return getattr(fn, "__wrapped__", fn) if getattr(fn, "__rankwatch_wrapped__", False) else fn
 
 
-class _DeferredRead:
-    """Device scalars -> host floats without a sync (CUDA: pinned copy + event)."""
-
-    def __init__(self) -> None:
-        self.pending: list[tuple[Any, Any, Callable[[list[float]], None]]] = []
-
-    def submit(self, values: list[torch.Tensor], consume: Callable[[list[float]], None]) -> None:
-        """``values``: scalars and vectors (a bucket's per-parameter norms),
-        read as one flat list of floats in their order."""
-        if not values:
-            return
-        stacked = torch.cat([v.detach().float().reshape(-1) for v in values])
-        if stacked.device.type == "cpu":
-            consume(stacked.tolist())
-            return
-        host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
-        host.copy_(stacked, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self.pending.append((host, event, consume))
-
-    def poll(self) -> None:
-        still = []
-        for host, event, consume in self.pending:
-            if event.query():
-                consume(host.tolist())
-            else:
-                still.append((host, event, consume))
-        self.pending = still[-64:]
+def uses_python_reducer(ddp: Any) -> bool:
+    """DDP built under ``torch._dynamo.config.optimize_ddp = "python_reducer"``
+    (torch >= 2.4): with compiled autograd it calls comm hooks once per
+    parameter with a ``(grad, param)`` tuple, and DDP's own default then is
+    an in-graph functional allreduce. A hook of ours would replace that."""
+    return bool(getattr(ddp, "_use_python_reducer", False))
 
 
 class GradChecker:
@@ -130,38 +137,46 @@ class GradChecker:
         self.registered = False
         self.names = {id(p): n for n, p in ddp.module.named_parameters()}
         self.order = {n: i for i, n in enumerate(self.names.values())}
-        self._norms: list[torch.Tensor] = []  # this step's local bucket norms (device)
-        self._param_norms: list[tuple[list[str], torch.Tensor]] = []  # CUDA only
-        self._bucket_params: dict[int, list[str]] = {}
-        self._nonfinite_params: list[str] = []
-        self._hooks_this_step = 0
+        # This backward's device values: (bucket index, parameter names, values, kind)
+        # where kind is "norms" (per-parameter float32 norms) or "probe"
+        # (per-parameter count of non-finite probed elements). Emptied at
+        # every step end and every new step's first bucket; bounded.
+        self._buckets: list[tuple[int, tuple[str, ...], torch.Tensor, str]] = []
+        self._bucket_names: dict[int, tuple[tuple[int, int], tuple[str, ...]]] = {}
         self._last_bucket_step = -1
-        self.reader = _DeferredRead()
         self.scaler_in_use = False
         self.skipped_overflow_steps = 0
-        self._lock = threading.Lock()
-        # Cost control: on a CPU every check is a pass over the gradients. When
-        # that exceeds the budget (a fraction of the step time), check every
-        # `stride`-th step; the loss is still checked on every step.
+        # Cost control: every check costs host time on the autograd thread (and
+        # on a CPU a pass over the gradients). When that exceeds the budget (a
+        # fraction of the step time), the full check runs every `stride`-th
+        # step; the loss is still checked on every step.
         self.budget = agent.config.grad_check_budget
         self.stride = 1
         self._sampled = True
         self._spent = 0.0
-        self._norm_buckets: list[int] = []  # bucket index of each entry of _norms
         # Every step: a sparse finiteness probe of each bucket, its size kept
         # within the same budget (halved / doubled as the measured cost asks).
         self.probe_elements = PROBE_ELEMENTS
         self._probe_spent = 0.0
         self._probe_round = 0
-        self._probe_layout: dict[int, tuple[tuple[int, int], Any]] = {}  # bucket -> (key, slices)
+        self._probe_layout: dict[int, tuple[tuple[int, int], Any]] = {}  # bucket -> (key, (slices, owners, names))
         ddp._rankwatch_grad_checker = self
         _patch_register_comm_hook()
         ddp.register_forward_pre_hook(self._register_default_before_first_forward)
+        self._bad: dict[int, tuple[list[int], list[str], str]] = {}  # step -> what was not finite
         agent.progress.step_extras.append(self._on_step_end)
+        agent.progress.record_complete.append(guarded("grad_checks.step")(self._on_record_complete))
 
     # -- registration -------------------------------------------------------------
     def _register_default_before_first_forward(self, module, inputs) -> None:
         if self.registered:
+            return
+        if uses_python_reducer(self.ddp):
+            # DDP's default there is its in-graph allreduce: a hook would replace it.
+            self.registered = True
+            self.agent.record_event("grad_checks_off", reason="python_reducer")
+            log("local gradient checks off for this model: DDP uses the Python reducer "
+                "(torch._dynamo.config.optimize_ddp='python_reducer')")
             return
         try:
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -179,6 +194,9 @@ class GradChecker:
 
         @functools.wraps(user_hook)
         def checked_hook(hook_state, bucket):
+            if not _is_grad_bucket(bucket) or _compiling():
+                # Compiled autograd's Python reducer: (grad, param) per parameter.
+                return user_hook(hook_state, bucket)
             checker._inspect(bucket)
             # The hook's collectives are DDP's gradient reduction: not recorded
             # as Python call sites (that is how a stray user collective stands out).
@@ -197,78 +215,72 @@ class GradChecker:
         index = bucket.index()
         if index == 0:
             step = self.agent.progress.step
-            if self._last_bucket_step == step and (self._norms or self._nonfinite_params):
-                # A second backward without an optimizer step: the previous one
-                # was skipped (GradScaler overflow, or the script's choice).
-                self._previous_step_skipped()
+            if self._last_bucket_step != step or self._buckets:
+                # A new step, or a second backward without an optimizer step
+                # (accumulation, or a step GradScaler skipped): what the last
+                # one left is superseded, never read.
+                self._buckets = []
             self._last_bucket_step = step
             self._sampled = step % self.stride == 0 or self._loss_is_unusual()
+        buffer = bucket.buffer()
         if bucket.is_last():
-            self.agent.progress.on_backward_done(_now())
+            self.agent.progress.on_backward_done(time.time(), buffer)
+        if is_disabled("grad_checks.step") or len(self._buckets) >= MAX_BUCKETS_PER_STEP:
+            return  # nothing would read them
+        if device_mod.capturing(device_mod.device_of(buffer)):
+            return  # a CUDA graph capture: nothing may run here
         if not self._sampled:
-            self._probe(bucket, index)
+            self._probe(bucket, index, buffer)
             return
         started = time.perf_counter()
-        buffer = bucket.buffer()
-        if buffer.device.type == "cpu":
-            if buffer.dtype in (torch.float32, torch.float64):
-                # BLAS dot: ~4x faster than vector_norm on a CPU (one pass, vectorised).
-                norm = torch.dot(buffer, buffer).sqrt()
-                if not math.isfinite(float(norm)):
-                    norm = torch.linalg.vector_norm(buffer)  # overflow of the square, or a real NaN/Inf
-            else:
-                norm = torch.linalg.vector_norm(buffer, dtype=torch.float32)  # fp16/bf16: see fp32_norms
-        else:
-            # On a GPU the values are read a step later, when the local
-            # gradients are gone: keep per-parameter norms (one fused kernel)
-            # so a non-finite one can still be named.
-            per_param = torch.stack(fp32_norms(bucket.gradients()))
-            norm = torch.linalg.vector_norm(per_param)
-            self._param_norms.append(([self.names.get(id(p), "?") for p in bucket.parameters()], per_param))
-        self._norms.append(norm)
-        self._norm_buckets.append(index)
-        if norm.device.type == "cpu" and not math.isfinite(float(norm)):
-            self._name_nonfinite(bucket)
+        grads = bucket.gradients()
+        if grads:
+            # One fused kernel; read a step later on a GPU, when the local
+            # gradients are gone: per-parameter values so a non-finite one is named.
+            self._buckets.append((index, self._names(bucket, index, buffer), torch.stack(fp32_norms(grads)), "norms"))
         self._spent += time.perf_counter() - started
 
-    def _probe(self, bucket, index: int) -> None:
+    def _names(self, bucket, index: int, buffer: torch.Tensor) -> tuple[str, ...]:
+        """The bucket's parameter names, cached per layout (DDP rebuilds its
+        buckets after the first step: the buffer changes then)."""
+        key = (buffer.numel(), buffer.data_ptr())
+        cached = self._bucket_names.get(index)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        names = tuple(self.names.get(id(p), f"<param {tuple(p.shape)}>") for p in bucket.parameters())
+        self._bucket_names[index] = (key, names)
+        return names
+
+    def _probe(self, bucket, index: int, buffer: torch.Tensor) -> None:
         """On a step the budget does not sample: a sparse read of the local
         bucket. Every parameter's gradient gets at least one probed element
         and large ones more (about `probe_elements` per bucket in all, spread
         in proportion to size); each probe moves within its slice every step,
-        so a slice is sampled at PROBE_ROTATIONS places over the steps. A NaN from one sample's
-        backward poisons whole weight-gradient tensors (or whole rows), so
-        this finds it; a lone bad element is found with probability ~ elements
-        read / bucket size (bench/grad_check_cost.py measures both). A
-        non-finite probe escalates to the full check of that bucket. CPU only:
-        on a GPU the full check is asynchronous and rarely sampled out."""
+        so a slice is sampled at PROBE_ROTATIONS places over the steps. A NaN
+        from one sample's backward poisons whole weight-gradient tensors (or
+        whole rows), so this finds it; a lone bad element is found with
+        probability ~ elements read / bucket size (bench/grad_check_cost.py
+        measures both). The non-finite probed elements are counted per
+        parameter (one gather, one index_add): a count read later names the
+        parameter."""
         started = time.perf_counter()
-        buffer = bucket.buffer()
-        if buffer.device.type != "cpu" or not buffer.is_floating_point() or self.probe_elements <= 0:
+        if not buffer.is_floating_point() or self.probe_elements <= 0 or buffer.numel() == 0:
             return
-        if buffer.numel() == 0:
+        layout = self._probe_slices(bucket, index, buffer)
+        if layout is None:
             return
-        slices = self._probe_slices(bucket, index, buffer)
-        if slices is None:
-            return
-        # One of a few precomputed rotations: every tensor op costs several
-        # microseconds on the autograd thread, so the probe is one gather and one sum.
+        slices, owners, names = layout
         positions = slices[self._probe_round % len(slices)]
-        if math.isfinite(float(buffer.take(positions).sum())):
-            self._probe_spent += time.perf_counter() - started
-            return
-        norm = torch.linalg.vector_norm(buffer, dtype=torch.float32)
-        if not math.isfinite(float(norm)):  # not a mere overflow of the probe's sum
-            self._norms.append(norm)
-            self._norm_buckets.append(index)
-            self._name_nonfinite(bucket)
+        bad = torch.isfinite(buffer.take(positions)).logical_not_().to(torch.float32)
+        counts = torch.zeros(len(names), dtype=torch.float32, device=buffer.device).index_add_(0, owners, bad)
+        self._buckets.append((index, names, counts, "probe"))
         self._probe_spent += time.perf_counter() - started
 
-    def _probe_slices(self, bucket, index: int, buffer: torch.Tensor) -> list[torch.Tensor]:
-        """The positions to read, one int64 tensor per rotation; computed once
-        per bucket layout and probe size."""
+    def _probe_slices(self, bucket, index: int, buffer: torch.Tensor):
+        """(positions per rotation, owner of each position, owner names),
+        computed once per bucket layout and probe size."""
         n = buffer.numel()
-        key = (n, self.probe_elements)
+        key = (n, self.probe_elements, buffer.data_ptr())
         cached = self._probe_layout.get(index)
         if cached is not None and cached[0] == key:
             return cached[1]
@@ -276,66 +288,74 @@ class GradChecker:
         base = buffer.data_ptr()
         starts: list[int] = []
         lengths: list[int] = []
-        for grad in bucket.gradients():
+        owner_of: list[int] = []
+        names: list[str] = []
+        for param, grad in zip(bucket.parameters(), bucket.gradients()):
             m = grad.numel()
             offset = (grad.data_ptr() - base) // size if m else -1
             if m == 0 or offset < 0 or offset + m > n:
                 continue  # not a view of this bucket's buffer
+            owner = len(names)
+            names.append(self.names.get(id(param), f"<param {tuple(param.shape)}>"))
             k = max(1, min(m, round(self.probe_elements * m / n)))
             for j in range(k):
                 lo, hi = offset + (j * m) // k, offset + ((j + 1) * m) // k
                 if hi > lo:
                     starts.append(lo)
                     lengths.append(hi - lo)
+                    owner_of.append(owner)
         if not starts:  # gradients not laid out in the buffer: spread over the whole of it
             k = max(1, min(n, self.probe_elements))
             starts = [(j * n) // k for j in range(k)]
             lengths = [max(1, ((j + 1) * n) // k - (j * n) // k) for j in range(k)]
-        first = torch.tensor(starts, dtype=torch.int64)
-        spans = torch.tensor(lengths, dtype=torch.int64)
+            owner_of = [0] * k
+            names = [f"<bucket {index}>"]
+        device = buffer.device
+        first = torch.tensor(starts, dtype=torch.int64, device=device)
+        spans = torch.tensor(lengths, dtype=torch.int64, device=device)
+        owners = torch.tensor(owner_of, dtype=torch.int64, device=device)
         # Rotations: probe j of a slice reads element (r * 7919 + index) mod length
         # of it in round r; the slices are read through over the rounds.
         slices = [first + torch.remainder(torch.full_like(spans, r * 7919 + index), spans)
                   for r in range(PROBE_ROTATIONS)]
-        self._probe_layout[index] = (key, slices)
-        return slices
+        layout = (slices, owners, tuple(names))
+        self._probe_layout[index] = (key, layout)
+        return layout
 
     def _loss_is_unusual(self) -> bool:
         """A non-finite loss, or one far above its recent values, forces the
-        check on a sampled-out step: a bad batch is still caught and named
-        (free on a CPU; a GPU loss is never read here)."""
-        loss = self.agent.progress._loss
-        try:
-            if loss is None or loss.device.type != "cpu" or loss.numel() != 1:
-                return False
-            value = abs(float(loss.detach()))
-        except Exception:
+        full check on a sampled-out step: a bad batch is still caught and
+        named. The loss is known here only when its deferred read is already
+        in (at once on a CPU; on a GPU it is read after the step)."""
+        value = self.agent.progress.current_loss()
+        if value is None:
             return False
         if not math.isfinite(value):
             return True
         typical = self.agent.progress.typical_loss
-        return typical is not None and value > 10 * typical + 1e-12
+        return typical is not None and abs(value) > 10 * typical + 1e-12
 
-    def _name_nonfinite(self, bucket) -> None:
-        """Only on the rare bad step: which parameters' local gradients are not finite."""
-        bad = []
-        for param, grad in zip(bucket.parameters(), bucket.gradients()):
-            if not bool(torch.isfinite(grad).all()):
-                bad.append(self.names.get(id(param), f"<param {tuple(param.shape)}>"))
-        with self._lock:
-            for name in bad:
-                if name not in self._nonfinite_params:
-                    self._nonfinite_params.append(name)
+    @guarded("grad_checks.step")
+    def on_skipped_step(self) -> None:
+        """GradScaler.step returned without the optimizer stepping: an
+        overflow it skipped (normal now and then; many in a row are not).
+        The parameters whose values were not finite follow when read."""
+        buckets, self._buckets = self._buckets, []
+        self.skipped_overflow_steps += 1
+        step = self.agent.progress.step
+        details = {"scaler": True}
 
-    def _previous_step_skipped(self) -> None:
-        norms, self._norms = self._norms, []
-        self._norm_buckets = []
-        named, self._nonfinite_params = self._nonfinite_params, []
-        self._param_norms = []
-        values = [float(n) for n in norms if n.device.type == "cpu"]
-        if not values or not all(math.isfinite(v) for v in values):
-            self.skipped_overflow_steps += 1
-            self.agent.record_event("overflow_skipped", scaler=self.scaler_in_use, parameters=named[:MAX_NAMED])
+        def consume(values: Optional[list[float]], buckets=buckets, step=step) -> None:
+            named: list[str] = []
+            if values is not None:
+                _, _, bad_names = self._evaluate(buckets, values)
+                named = bad_names
+            self.agent.record_event("overflow_skipped", step=step, parameters=named[:MAX_NAMED], **details)
+
+        if buckets:
+            self.agent.progress.reads.submit([v for _, _, v, _ in buckets], consume)
+        else:
+            consume(None)
 
     # -- end of step (training thread) ------------------------------------------------
     def _adapt(self, record: StepRecord) -> None:
@@ -364,67 +384,72 @@ class GradChecker:
 
     @guarded("grad_checks.step")
     def _on_step_end(self, record: StepRecord) -> None:
-        self.reader.poll()
-        if self._sampled:
+        sampled = self._sampled
+        if sampled:
             self._adapt(record)
         else:
             self._adapt_probe(record)
         record.grad_check_stride = self.stride
-        buckets, self._norm_buckets = self._norm_buckets, []
-        norms, self._norms = self._norms, []
-        named, self._nonfinite_params = self._nonfinite_params, []
-        named.sort(key=lambda n: self.order.get(n, 1 << 30))  # model order, not bucket order
-        if not norms:
+        buckets, self._buckets = self._buckets, []
+        if not buckets:
             return
-        if norms[0].device.type == "cpu":
-            values = [float(n) for n in norms]
-            self._fill(record, values, named, buckets, sampled=self._sampled)
+        self.agent.progress.defer([v for _, _, v, _ in buckets],
+                                  lambda values: self._consume(record, buckets, values, sampled))
+
+    def _evaluate(self, buckets: list, values: list[float]) -> tuple[float, list[int], list[str]]:
+        """(sum of squared norms, bad bucket indices, bad parameter names in
+        model order) from the flat floats of ``buckets``."""
+        at = 0
+        total = 0.0
+        bad_buckets: list[int] = []
+        bad_names: list[str] = []
+        for index, names, tensor, kind in buckets:
+            size = int(tensor.numel())
+            part = values[at: at + size]
+            at += size
+            if kind == "norms":
+                bad = [n for n, v in zip(names, part) if not math.isfinite(v)]
+                total += sum(v * v for v in part if math.isfinite(v))
+            else:
+                bad = [n for n, v in zip(names, part) if v != 0.0]
+            if bad:
+                bad_buckets.append(index)
+                bad_names.extend(b for b in bad if b not in bad_names)
+        bad_names.sort(key=lambda n: self.order.get(n, 1 << 30))  # model order, not bucket order
+        return total, bad_buckets, bad_names
+
+    def _consume(self, record: StepRecord, buckets: list, values: Optional[list[float]], sampled: bool) -> None:
+        if values is None:  # not readable (a capture, a stalled device): nothing is claimed
             return
-        # CUDA: the record goes out now; the values follow as an event a step later.
-        step = record.step
-        param_norms, self._param_norms = self._param_norms, []
-        names = [n for group, _ in param_norms for n in group]
-        loss = self.agent.progress._loss
-        tensors = list(norms) + [t for _, t in param_norms]
-        sizes = [len(norms)] + [len(group) for group, _ in param_norms]
-        if loss is not None and getattr(loss, "numel", lambda: 0)() == 1:
-            tensors.append(loss.detach().reshape(()))
+        total, bad_buckets, bad_names = self._evaluate(buckets, values)
+        full = sampled and all(kind == "norms" for _, _, _, kind in buckets)
+        if bad_buckets:
+            record.grad_norm = math.nan
+        elif full:
+            # Squares summed in Python floats (double): no fp32 overflow of the total.
+            record.grad_norm = math.sqrt(total)
+        record.nonfinite_grads = len(bad_buckets)
+        if bad_buckets:
+            self._bad[record.step] = (bad_buckets, bad_names, "full_check" if full else "probe")
+            while len(self._bad) > 16:
+                self._bad.pop(next(iter(self._bad)))
 
-        def consume(values: list[float], step=step) -> None:
-            bucket_values = values[: sizes[0]]
-            flat = []
-            at = sizes[0]
-            for size in sizes[1:]:
-                flat.extend(values[at: at + size])
-                at += size
-            loss_value = values[at] if len(values) > at else None
-            bad = [i for i, v in enumerate(bucket_values) if not math.isfinite(v)]
-            total = math.sqrt(sum(v * v for v in bucket_values)) if not bad else math.nan
-            self.agent.record_event("step_values", step=step, grad_norm=total, loss=loss_value)
-            if bad or (loss_value is not None and not math.isfinite(loss_value)):
-                named_bad = [n for n, v in zip(names, flat) if not math.isfinite(v)]
-                self.agent.record_event("nonfinite", step=step, source="local_gradients" if bad else "loss",
-                                        parameters=named_bad[:MAX_NAMED], buckets=bad, loss=loss_value,
-                                        scaler=self.scaler_in_use)
-
-        self.reader.submit(tensors, consume)
-
-    def _fill(self, record: StepRecord, values: list[float], named: list[str], buckets: list[int],
-              sampled: bool = True) -> None:
-        bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
-        # A probe's escalation measures only the bad bucket: no norm for the step then.
-        record.grad_norm = (math.sqrt(sum(v * v for v in values)) if sampled else None) if not bad else math.nan
-        record.nonfinite_grads = len(bad)
-        if bad or (record.loss is not None and not math.isfinite(record.loss)):
-            self.agent.record_event(
-                "nonfinite",
-                source="local_gradients" if bad else "loss",
-                parameters=named[:MAX_NAMED],
-                buckets=[buckets[i] if i < len(buckets) else i for i in bad],
-                found_by="full_check" if sampled else "probe",
-                loss=record.loss,
-                scaler=self.scaler_in_use,
-            )
+    def _on_record_complete(self, record: StepRecord) -> None:
+        """The step's record has its device values (loss, norms): a
+        non-finite one is an event naming the parameters."""
+        bad_buckets, bad_names, found_by = self._bad.pop(record.step, ([], [], "full_check"))
+        if not bad_buckets and (record.loss is None or math.isfinite(record.loss)):
+            return
+        self.agent.record_event(
+            "nonfinite",
+            step=record.step,
+            source="local_gradients" if bad_buckets else "loss",
+            parameters=bad_names[:MAX_NAMED],
+            buckets=bad_buckets,
+            found_by=found_by if bad_buckets else "loss",
+            loss=record.loss,
+            scaler=self.scaler_in_use,
+        )
 
     def on_command(self, command) -> None:
         if command.details.get("action") == "detect_anomaly":
@@ -433,23 +458,19 @@ class GradChecker:
             log("autograd anomaly detection turned on for this rank (requested by the collector)")
 
 
-def _now() -> float:
-    import time
-
-    return time.time()
-
-
 _CHECKERS: list[GradChecker] = []
 
 
 def _patch_grad_scaler() -> None:
-    """Under GradScaler, an overflow step it skips is normal: know it is there."""
+    """Under GradScaler, an overflow step it skips is normal: know it is
+    there (``scale``), and know a skip when it happens (``step`` returned
+    and no optimizer stepped)."""
     try:
         from torch.amp.grad_scaler import GradScaler
     except ImportError:
         return
 
-    def make(original):
+    def make_scale(original):
         @functools.wraps(original)
         def scale(*args, **kwargs):
             for checker in _CHECKERS:
@@ -463,7 +484,24 @@ def _patch_grad_scaler() -> None:
 
         return scale
 
-    _PATCHES.apply(GradScaler, "scale", make)
+    def make_step(original):
+        @functools.wraps(original)
+        def step(*args, **kwargs):
+            if not _CHECKERS or _compiling():
+                return original(*args, **kwargs)
+            progress = _CHECKERS[-1].agent.progress
+            before = progress.optimizer_steps
+            result = original(*args, **kwargs)
+            enabled = getattr(args[0], "_enabled", True) if args else True
+            if enabled and progress.optimizer_steps == before:
+                for checker in _CHECKERS:
+                    checker.on_skipped_step()
+            return result
+
+        return step
+
+    _PATCHES.apply(GradScaler, "scale", make_scale)
+    _PATCHES.apply(GradScaler, "step", make_step)
 
 
 def attach(agent: "Agent", ddp) -> Optional[GradChecker]:
