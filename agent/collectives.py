@@ -33,9 +33,12 @@ API. Wrapping the Python API records the call site and the time window of
 each call, so the collector can tell "the same op and size, but issued from
 train.py:42 instead of DDP's backward" (the silent off-by-one mismatch).
 
-Under ``torch.compile`` the wrappers step aside (``torch.compiler.is_compiling``
-is the first thing they ask, so Dynamo traces the bare collective, also with
-``fullgraph=True``); their recording body is ``torch.compiler.disable``d.
+Under ``torch.compile`` the wrappers step aside: ``torch.compiler.is_compiling``
+is the first thing they ask, so Dynamo traces the bare collective (also with
+``fullgraph=True``) and never reaches the recording (``sys._getframe``). The
+recording is not wrapped in ``torch.compiler.disable`` on top: that would
+graph-break a ``fullgraph=True`` region if it were ever reached, and the
+first ``torch.compiler.disable`` imports Dynamo (~2 s of every rank's start).
 """
 
 from __future__ import annotations
@@ -88,10 +91,8 @@ try:
     import torch as _torch
 
     _is_compiling = _torch.compiler.is_compiling  # type: ignore[assignment]  # torch >= 2.3
-    _disable = _torch.compiler.disable
 except Exception:  # pragma: no cover - torch without torch.compiler
-    def _disable(fn):  # type: ignore[no-redef]
-        return fn
+    pass
 
 
 def fr_readers() -> list[tuple[str, Callable[..., Any]]]:
@@ -230,7 +231,7 @@ class CollectiveTracker:
 
     def _wrap(self, op: str, fn):
         tracker = self
-        record_call = _disable(self._recorded_call)
+        record_call = self._recorded_call
 
         @functools.wraps(fn)
         def collective(*args, **kwargs):

@@ -494,6 +494,12 @@ class Agent:
 
     def _heartbeat_loop(self) -> None:
         interval = self.config.heartbeat_interval
+        # The first beat goes at once: a rank that freezes early (holding the
+        # GIL) has then beaten, and its silence is seen as such.
+        try:
+            self.send_heartbeat()
+        except Exception as exc:
+            log(f"heartbeat error: {type(exc).__name__}: {exc}")
         while not self._stop.wait(interval):
             try:
                 self.send_heartbeat()
