@@ -119,6 +119,9 @@ def build(agent: "Agent", reason: str, incident: str, exception: Optional[dict] 
         "exception.json": redact_obj(exception) if exception else None,
         "runtime.json": {"argv": redact_obj(list(sys.argv)), "python": sys.version, "executable": sys.executable},
     }
+    from .collectives import timeout_dump_members, timeout_dump_prefix
+
+    members.update(timeout_dump_members(ident.rank, timeout_dump_prefix(agent.run_dir)))
     for name, content in (extra_members or {}).items():
         members[name] = content
     return pack(manifest, members)

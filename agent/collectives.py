@@ -112,6 +112,82 @@ def fr_readers() -> list[tuple[str, Callable[..., Any]]]:
     return readers
 
 
+# -- torch's settings for Flight Recorder and its dump on timeout -----------------------
+
+FR_DIR = "flight_recorder"  # in the run dir: where torch writes its dumps on a collective timeout
+TIMEOUT_DUMP_MAX_BYTES = 32 << 20
+
+# (names torch reads, newest first: torch >= 2.8 reads TORCH_FR_*, older
+# releases only TORCH_NCCL_*), value rankwatch wants.
+_FR_SETTINGS: tuple[tuple[tuple[str, ...], str], ...] = (
+    # Older releases default the buffer to 0: recorder and dump-on-timeout off.
+    (("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"), "2000"),
+    (("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"), ""),  # the run dir's prefix
+    (("TORCH_NCCL_DUMP_ON_TIMEOUT",), "1"),
+    # 3 = kill the process on a collective error without aborting the
+    # communicator: keeps Flight Recorder dumps (1 suppresses them).
+    (("TORCH_NCCL_ASYNC_ERROR_HANDLING",), "3"),
+    (("TORCH_NCCL_ENABLE_MONITORING",), "1"),
+)
+
+
+def fr_environment(run_dir: Any, env: Any = None) -> dict[str, str]:
+    """The variables to add to a worker's environment: every name of each
+    setting, so the whole supported torch range (2.4-2.13) reads it. Where
+    the user set one name, the others get the user's value; where the user
+    set none, rankwatch's. The timeout dump's prefix lies in the run dir
+    (file = prefix + rank), where rankwatch collects it. Torch's debug-info
+    pipe (TORCH_NCCL_DEBUG_INFO_PIPE_FILE) is not set: nothing writes it, and
+    it needs FIFO support on the run dir's filesystem."""
+    env = os.environ if env is None else env
+    out: dict[str, str] = {}
+    for names, value in _FR_SETTINGS:
+        given = next((env[n] for n in names if n in env), None)
+        if given is None:
+            if names[0] == "TORCH_FR_DUMP_TEMP_FILE":
+                if not run_dir:
+                    continue
+                value = os.path.join(str(run_dir), FR_DIR, "rank_")
+            given = value
+        for name in names:
+            if name not in env:
+                out[name] = given
+    return out
+
+
+def timeout_dump_prefix(run_dir: Any, env: Any = None) -> str:
+    """Where torch writes this job's dumps on a collective timeout."""
+    env = os.environ if env is None else env
+    for name in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
+        if env.get(name):
+            return env[name]
+    if run_dir:
+        return os.path.join(str(run_dir), FR_DIR, "rank_")
+    return "/tmp/nccl_trace_rank_"  # torch's default
+
+
+def timeout_dump_members(rank: int, prefix: str) -> dict[str, Any]:
+    """The Flight Recorder dump torch wrote for ``rank`` on a collective
+    timeout, as a bundle member. Torch writes its pickle format there
+    (``dump_nccl_trace``): it travels as an opaque member for torch's own
+    ``torchfrtrace``/``fr_trace`` tool and is never unpickled by rankwatch;
+    a JSON dump is kept as JSON."""
+    path = f"{prefix}{rank}"
+    try:
+        with open(path, "rb") as f:
+            data = f.read(TIMEOUT_DUMP_MAX_BYTES + 1)
+    except OSError:
+        return {}
+    if not data or len(data) > TIMEOUT_DUMP_MAX_BYTES:
+        return {}
+    if data.lstrip()[:1] == b"{":
+        try:
+            return {"fr_timeout_dump.json": json.loads(data)}
+        except ValueError:
+            return {}
+    return {"fr_timeout_dump.pickle": data}
+
+
 def _int(value: Any, default: int = -1) -> int:
     try:
         return int(value)
