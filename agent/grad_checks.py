@@ -1,16 +1,29 @@
-"""Local-gradient checks on every DDP model, before the allreduce.
+"""Local-gradient checks before the allreduce, on every parameter the
+optimizer will update.
 
-A DDP communication hook sees each gradient bucket while it still holds this
-rank's *local* gradients (``GradBucket.buffer()``). On the steps the cost
-budget samples, the hook computes one float32 norm per parameter of the
-bucket (one fused ``_foreach_norm``); on the others a sparse finiteness probe
-(a gather of a few hundred elements, counted per parameter). Then it runs the
-user's hook, or DDP's default allreduce. The values are read on the host
-through the device adapter's deferred reads (agent/device.py) with the
-step's other device values: at the step's end on a CPU, a step or more later
-on a GPU, never with a sync, and they travel in the step's record
-(``grad_norm``, ``nonfinite_grads``). A non-finite value names its
-parameters; the origin rank is the one non-finite *before* the allreduce.
+Each parameter gets a post-accumulate-grad hook
+(``Tensor.register_post_accumulate_grad_hook``, torch >= 2.1). Autograd runs
+it right after the gradient is accumulated into ``param.grad`` and *before*
+the node's post hooks, among them DDP's reducer hook that copies the
+gradient into its bucket and starts the allreduce: the hook sees this rank's
+*local* gradient. On the steps the cost budget samples it takes the
+gradient's float32 norm (one kernel), on the others a sparse finiteness
+probe (a gather of a few elements); at the end of the backward (an autograd
+callback) the values are stacked into one vector, read on the host through
+the device adapter's deferred reads (agent/device.py) with the step's other
+device values: at the step's end on a CPU, a step or more later on a GPU,
+never with a sync. They travel in the step's record (``grad_norm``,
+``nonfinite_grads``); a non-finite value names its parameter, and the
+origin rank is the one non-finite *before* the allreduce.
+
+Why these hooks and not a DDP communication hook: measured side by side on
+two gloo ranks (``bench/grad_check_cost.py``), a Python comm hook replacing
+DDP's C++ allreduce costs 1.09-1.11x the step of the C++ path before any
+check (Python futures per bucket; DDP no longer folds the 1/world division
+into its copy), the comm hook with per-parameter norms 1.13-1.17x, and DDP's
+C++ allreduce with these hooks 1.05-1.11x (norms) and 1.03-1.06x (probe). The hooks keep DDP's
+C++ path and the user's own comm hook untouched, and work without DDP
+(FSDP1, hand-written loops: the checker takes any list of parameters).
 
 The same code runs on every device: the test double (``GpuLikeDouble``)
 makes CPU tests run what CUDA runs. No GPU run of it has been made here.
@@ -18,12 +31,10 @@ makes CPU tests run what CUDA runs. No GPU run of it has been made here.
 Under AMP's GradScaler, a step the scaler skips (an overflow) is counted
 when ``GradScaler.step`` returns without the optimizer having stepped; a
 backward without an optimizer step (gradient accumulation) is not an
-overflow. A user hook registered with ``register_comm_hook`` is wrapped, not
-replaced; under compiled autograd's Python reducer (which calls hooks per
-parameter with a ``(grad, param)`` tuple) the checks step aside.
-
-Cost: measured per bucket against DDP's built-in C++ allreduce in
-``bench/grad_check_cost.py`` (see its docstring for the figures).
+overflow. Under ``no_sync()`` accumulation the checks wait for the backward
+that synchronises. Under compiled autograd's Python reducer (DDP's own
+post-accumulate hooks allreduce first) and during a CUDA graph capture the
+checks step aside.
 """
 
 from __future__ import annotations
@@ -46,10 +57,9 @@ if TYPE_CHECKING:
     from .runtime import Agent
 
 MAX_NAMED = 8
-PROBE_ELEMENTS = 512  # elements per bucket and step, on steps the full check is sampled out
+PROBE_ELEMENTS = 512  # elements per model and step, on steps the full check is sampled out
 PROBE_MIN, PROBE_MAX = 16, 8192
 PROBE_ROTATIONS = 16
-MAX_BUCKETS_PER_STEP = 4096  # device values kept per step, at most (a runaway never grows memory)
 
 # Module-wide patches (one DDP class, one GradScaler class for every agent).
 _PATCHES = Patches()
@@ -78,6 +88,8 @@ def fp32_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def unpatch() -> None:
     _PATCHES.undo()
+    for checker in _CHECKERS:
+        checker.remove()
     _CHECKERS.clear()
 
 
@@ -86,13 +98,6 @@ def _compiling() -> bool:
         return bool(torch.compiler.is_compiling())
     except Exception:
         return False
-
-
-def _is_grad_bucket(bucket: Any) -> bool:
-    try:
-        return isinstance(bucket, torch.distributed.GradBucket)
-    except Exception:
-        return hasattr(bucket, "buffer") and hasattr(bucket, "index")
 
 
 def _patch_register_comm_hook() -> None:
@@ -105,7 +110,7 @@ def _patch_register_comm_hook() -> None:
             # Same calls as the original: (ddp, state, hook), by position or name.
             ddp = argument(original, args, kwargs, 0)
             checker = getattr(ddp, "_rankwatch_grad_checker", None)
-            if checker is None or checker.registered or binding_error(original, args, kwargs):
+            if checker is None or binding_error(original, args, kwargs):
                 return original(*args, **kwargs)
             return checker.register(original, argument(original, args, kwargs, 1),
                                     argument(original, args, kwargs, 2))
@@ -113,13 +118,6 @@ def _patch_register_comm_hook() -> None:
         return register_comm_hook
 
     _PATCHES.apply(DistributedDataParallel, "register_comm_hook", make)
-
-
-def _original_register_comm_hook():
-    from torch.nn.parallel import DistributedDataParallel
-
-    fn = DistributedDataParallel.register_comm_hook
-    return getattr(fn, "__wrapped__", fn) if getattr(fn, "__rankwatch_wrapped__", False) else fn
 
 
 def uses_python_reducer(ddp: Any) -> bool:
@@ -130,20 +128,35 @@ def uses_python_reducer(ddp: Any) -> bool:
     return bool(getattr(ddp, "_use_python_reducer", False))
 
 
+MAX_PARAMETERS = 65536  # parameters checked per model, at most
+
+
 class GradChecker:
-    def __init__(self, agent: "Agent", ddp) -> None:
+    """``named_parameters``: (name, parameter) of the model being trained;
+    ``ddp``: its DistributedDataParallel wrapper, if any."""
+
+    def __init__(self, agent: "Agent", named_parameters, ddp=None) -> None:
         self.agent = agent
         self.ddp = ddp
-        self.registered = False
-        self.names = {id(p): n for n, p in ddp.module.named_parameters()}
-        self.order = {n: i for i, n in enumerate(self.names.values())}
-        # This backward's device values: (bucket index, parameter names, values, kind)
-        # where kind is "norms" (per-parameter float32 norms) or "probe"
-        # (per-parameter count of non-finite probed elements). Emptied at
-        # every step end and every new step's first bucket; bounded.
-        self._buckets: list[tuple[int, tuple[str, ...], torch.Tensor, str]] = []
-        self._bucket_names: dict[int, tuple[tuple[int, int], tuple[str, ...]]] = {}
-        self._last_bucket_step = -1
+        self.registered = True  # the user's comm hooks are only wrapped, never replaced
+        seen: set[int] = set()
+        params = []
+        for name, p in named_parameters:
+            if p.requires_grad and id(p) not in seen and len(params) < MAX_PARAMETERS:
+                seen.add(id(p))
+                params.append((name, p))
+        self.params = params
+        self.names = {id(p): n for n, p in params}
+        self.order = {n: i for i, (n, _) in enumerate(params)}
+        # This backward's values (one 0-d tensor per parameter, in hook order),
+        # and the step's: one vector per backward that synchronised, the last one kept.
+        self._names: list[str] = []
+        self._values: list[torch.Tensor] = []
+        self._in_backward = False
+        self._skip_backward = False
+        self._last_grad: Optional[torch.Tensor] = None
+        self._step_values: Optional[tuple[tuple[str, ...], torch.Tensor, str]] = None
+        self._last_backward_step = -1
         self.scaler_in_use = False
         self.skipped_overflow_steps = 0
         # Cost control: every check costs host time on the autograd thread (and
@@ -154,52 +167,43 @@ class GradChecker:
         self.stride = 1
         self._sampled = True
         self._spent = 0.0
-        # Every step: a sparse finiteness probe of each bucket, its size kept
+        # Every step: a sparse finiteness probe of each gradient, its size kept
         # within the same budget (halved / doubled as the measured cost asks).
         self.probe_elements = PROBE_ELEMENTS
         self._probe_spent = 0.0
         self._probe_round = 0
-        self._probe_layout: dict[int, tuple[tuple[int, int], Any]] = {}  # bucket -> (key, (slices, owners, names))
-        ddp._rankwatch_grad_checker = self
-        _patch_register_comm_hook()
-        ddp.register_forward_pre_hook(self._register_default_before_first_forward)
-        self._bad: dict[int, tuple[list[int], list[str], str]] = {}  # step -> what was not finite
+        self._total_elements = max(1, sum(p.numel() for _, p in params))
+        self._probe_layout: dict[int, tuple[tuple[int, int], list[torch.Tensor]]] = {}
+        self._bad: dict[int, tuple[list[str], str]] = {}  # step -> what was not finite
+        self._handles = []
+        self.python_reducer = ddp is not None and uses_python_reducer(ddp)
+        if self.python_reducer:
+            # DDP's own post-accumulate hooks allreduce first: ours would see averages.
+            agent.record_event("grad_checks_off", reason="python_reducer")
+            log("local gradient checks off for this model: DDP uses the Python reducer "
+                "(torch._dynamo.config.optimize_ddp='python_reducer')")
+        else:
+            for _, p in params:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        if ddp is not None:
+            ddp._rankwatch_grad_checker = self
+            _patch_register_comm_hook()
         agent.progress.step_extras.append(self._on_step_end)
         agent.progress.record_complete.append(guarded("grad_checks.step")(self._on_record_complete))
 
-    # -- registration -------------------------------------------------------------
-    def _register_default_before_first_forward(self, module, inputs) -> None:
-        if self.registered:
-            return
-        if uses_python_reducer(self.ddp):
-            # DDP's default there is its in-graph allreduce: a hook would replace it.
-            self.registered = True
-            self.agent.record_event("grad_checks_off", reason="python_reducer")
-            log("local gradient checks off for this model: DDP uses the Python reducer "
-                "(torch._dynamo.config.optimize_ddp='python_reducer')")
-            return
-        try:
-            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
-            self.register(_original_register_comm_hook(), None, allreduce_hook)
-        except Exception as exc:  # a built-in C++ hook is already there, or DDP refused
-            self.registered = True
-            log(f"local gradient checks off for this model: {type(exc).__name__}: {exc}")
-
+    # -- a user's comm hook: its collectives are the gradient reduction -------------
     def register(self, original_register, state, user_hook):
-        self.registered = True
-        checker = self
-
         local = self.agent.collectives._local
 
         @functools.wraps(user_hook)
-        def checked_hook(hook_state, bucket):
-            if not _is_grad_bucket(bucket) or _compiling():
-                # Compiled autograd's Python reducer: (grad, param) per parameter.
-                return user_hook(hook_state, bucket)
-            checker._inspect(bucket)
-            # The hook's collectives are DDP's gradient reduction: not recorded
-            # as Python call sites (that is how a stray user collective stands out).
+        def reducing_hook(hook_state, bucket):
+            # Not recorded as Python call sites (that is how a stray user
+            # collective stands out from the gradient allreduce).
             outer = getattr(local, "depth", 0)
             local.depth = 1
             try:
@@ -207,120 +211,102 @@ class GradChecker:
             finally:
                 local.depth = outer
 
-        return original_register(self.ddp, state, checked_hook)
+        return original_register(self.ddp, state, reducing_hook)
 
-    # -- inside the hook (autograd thread) --------------------------------------
-    @guarded("grad_checks.hook")
-    def _inspect(self, bucket) -> None:
-        index = bucket.index()
-        if index == 0:
-            step = self.agent.progress.step
-            if self._last_bucket_step != step or self._buckets:
-                # A new step, or a second backward without an optimizer step
-                # (accumulation, or a step GradScaler skipped): what the last
-                # one left is superseded, never read.
-                self._buckets = []
-            self._last_bucket_step = step
-            self._sampled = step % self.stride == 0 or self._loss_is_unusual()
-        buffer = bucket.buffer()
-        if bucket.is_last():
-            self.agent.progress.on_backward_done(time.time(), buffer)
-        if is_disabled("grad_checks.step") or len(self._buckets) >= MAX_BUCKETS_PER_STEP:
-            return  # nothing would read them
-        if device_mod.capturing(device_mod.device_of(buffer)):
-            return  # a CUDA graph capture: nothing may run here
-        if not self._sampled:
-            self._probe(bucket, index, buffer)
+    # -- inside the backward (autograd thread) -----------------------------------
+    def _on_grad(self, param) -> None:
+        if _compiling():  # compiled autograd traces hooks: nothing of ours in the graph
             return
+        self._inspect(param)
+
+    @guarded("grad_checks.hook")
+    def _inspect(self, param) -> None:
+        if not self._in_backward:
+            self._start_backward(param)
+        if self._skip_backward:
+            return
+        grad = param.grad
+        if grad is None or not grad.is_floating_point() or grad.is_sparse:
+            return
+        self._last_grad = grad
         started = time.perf_counter()
-        grads = bucket.gradients()
-        if grads:
-            # One fused kernel; read a step later on a GPU, when the local
-            # gradients are gone: per-parameter values so a non-finite one is named.
-            self._buckets.append((index, self._names(bucket, index, buffer), torch.stack(fp32_norms(grads)), "norms"))
-        self._spent += time.perf_counter() - started
+        if self._sampled:
+            self._values.append(torch.linalg.vector_norm(grad.detach(), dtype=torch.float32))
+            self._names.append(self.names.get(id(param), "?"))
+            self._spent += time.perf_counter() - started
+            return
+        positions = self._probe_positions(param, grad)
+        if positions is None:
+            return
+        # Non-finite elements among a few: one gather, one count (float32 sums: no overflow).
+        self._values.append(torch.isfinite(grad.detach().reshape(-1).take(positions)).logical_not_().sum(
+            dtype=torch.float32))
+        self._names.append(self.names.get(id(param), "?"))
+        self._probe_spent += time.perf_counter() - started
 
-    def _names(self, bucket, index: int, buffer: torch.Tensor) -> tuple[str, ...]:
-        """The bucket's parameter names, cached per layout (DDP rebuilds its
-        buckets after the first step: the buffer changes then)."""
-        key = (buffer.numel(), buffer.data_ptr())
-        cached = self._bucket_names.get(index)
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        names = tuple(self.names.get(id(p), f"<param {tuple(p.shape)}>") for p in bucket.parameters())
-        self._bucket_names[index] = (key, names)
-        return names
+    def _start_backward(self, param) -> None:
+        """The first gradient of a backward: decide what this backward does,
+        and ask autograd to tell us when it is over."""
+        self._in_backward = True
+        self._names, self._values, self._last_grad = [], [], None
+        step = self.agent.progress.step
+        if self._last_backward_step != step:
+            self._step_values = None  # a new step
+        self._last_backward_step = step
+        ddp = self.ddp
+        syncing = ddp is None or bool(getattr(ddp, "require_backward_grad_sync", True))
+        grad = param.grad
+        self._skip_backward = (not syncing or is_disabled("grad_checks.step")
+                               or (grad is not None and device_mod.capturing(device_mod.device_of(grad))))
+        self._sampled = step % self.stride == 0 or self._loss_is_unusual()
+        if not self._sampled and self.probe_elements <= 0:
+            self._skip_backward = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
-    def _probe(self, bucket, index: int, buffer: torch.Tensor) -> None:
-        """On a step the budget does not sample: a sparse read of the local
-        bucket. Every parameter's gradient gets at least one probed element
-        and large ones more (about `probe_elements` per bucket in all, spread
-        in proportion to size); each probe moves within its slice every step,
+    @guarded("grad_checks.hook")
+    def _end_backward(self) -> None:
+        """Autograd's callback at the end of the backward (before DDP's own,
+        which waits for the allreduce): the local backward is done."""
+        self._in_backward = False
+        try:
+            grad = self._last_grad
+            if grad is not None and not self._skip_backward:
+                self.agent.progress.on_backward_done(time.time(), grad)
+            else:
+                self.agent.progress.on_backward_done(time.time())
+            if self._values and not self._skip_backward:
+                # One vector per backward; a later backward of the same step
+                # (accumulation, a step GradScaler skipped) supersedes it.
+                self._step_values = (tuple(self._names), torch.stack(self._values),
+                                     "norms" if self._sampled else "probe")
+        finally:
+            self._names, self._values, self._last_grad = [], [], None
+
+    def _probe_positions(self, param, grad: torch.Tensor) -> Optional[torch.Tensor]:
+        """This step's probe positions in the gradient: about
+        `probe_elements` over the whole model, spread in proportion to size,
+        at least one per parameter; each moves within its slice every step,
         so a slice is sampled at PROBE_ROTATIONS places over the steps. A NaN
         from one sample's backward poisons whole weight-gradient tensors (or
         whole rows), so this finds it; a lone bad element is found with
-        probability ~ elements read / bucket size (bench/grad_check_cost.py
-        measures both). The non-finite probed elements are counted per
-        parameter (one gather, one index_add): a count read later names the
-        parameter."""
-        started = time.perf_counter()
-        if not buffer.is_floating_point() or self.probe_elements <= 0 or buffer.numel() == 0:
-            return
-        layout = self._probe_slices(bucket, index, buffer)
-        if layout is None:
-            return
-        slices, owners, names = layout
-        positions = slices[self._probe_round % len(slices)]
-        bad = torch.isfinite(buffer.take(positions)).logical_not_().to(torch.float32)
-        counts = torch.zeros(len(names), dtype=torch.float32, device=buffer.device).index_add_(0, owners, bad)
-        self._buckets.append((index, names, counts, "probe"))
-        self._probe_spent += time.perf_counter() - started
-
-    def _probe_slices(self, bucket, index: int, buffer: torch.Tensor):
-        """(positions per rotation, owner of each position, owner names),
-        computed once per bucket layout and probe size."""
-        n = buffer.numel()
-        key = (n, self.probe_elements, buffer.data_ptr())
-        cached = self._probe_layout.get(index)
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        size = buffer.element_size()
-        base = buffer.data_ptr()
-        starts: list[int] = []
-        lengths: list[int] = []
-        owner_of: list[int] = []
-        names: list[str] = []
-        for param, grad in zip(bucket.parameters(), bucket.gradients()):
-            m = grad.numel()
-            offset = (grad.data_ptr() - base) // size if m else -1
-            if m == 0 or offset < 0 or offset + m > n:
-                continue  # not a view of this bucket's buffer
-            owner = len(names)
-            names.append(self.names.get(id(param), f"<param {tuple(param.shape)}>"))
-            k = max(1, min(m, round(self.probe_elements * m / n)))
-            for j in range(k):
-                lo, hi = offset + (j * m) // k, offset + ((j + 1) * m) // k
-                if hi > lo:
-                    starts.append(lo)
-                    lengths.append(hi - lo)
-                    owner_of.append(owner)
-        if not starts:  # gradients not laid out in the buffer: spread over the whole of it
-            k = max(1, min(n, self.probe_elements))
-            starts = [(j * n) // k for j in range(k)]
-            lengths = [max(1, ((j + 1) * n) // k - (j * n) // k) for j in range(k)]
-            owner_of = [0] * k
-            names = [f"<bucket {index}>"]
-        device = buffer.device
-        first = torch.tensor(starts, dtype=torch.int64, device=device)
-        spans = torch.tensor(lengths, dtype=torch.int64, device=device)
-        owners = torch.tensor(owner_of, dtype=torch.int64, device=device)
-        # Rotations: probe j of a slice reads element (r * 7919 + index) mod length
-        # of it in round r; the slices are read through over the rounds.
-        slices = [first + torch.remainder(torch.full_like(spans, r * 7919 + index), spans)
-                  for r in range(PROBE_ROTATIONS)]
-        layout = (slices, owners, tuple(names))
-        self._probe_layout[index] = (key, layout)
-        return layout
+        probability ~ elements read / gradient size (bench/grad_check_cost.py
+        measures both)."""
+        m = grad.numel()
+        if m == 0:
+            return None
+        key = (m, self.probe_elements)
+        cached = self._probe_layout.get(id(param))
+        if cached is None or cached[0] != key:
+            k = max(1, min(m, round(self.probe_elements * m / self._total_elements)))
+            starts = torch.tensor([(j * m) // k for j in range(k)], dtype=torch.int64)
+            spans = torch.tensor([max(1, ((j + 1) * m) // k - (j * m) // k) for j in range(k)], dtype=torch.int64)
+            rotations = [(starts + torch.remainder(torch.full_like(spans, r * 7919 + len(self._probe_layout)),
+                                                   spans)).to(grad.device) for r in range(PROBE_ROTATIONS)]
+            cached = (key, rotations)
+            if len(self._probe_layout) < MAX_PARAMETERS:
+                self._probe_layout[id(param)] = cached
+        rotations = cached[1]
+        return rotations[self._probe_round % len(rotations)]
 
     def _loss_is_unusual(self) -> bool:
         """A non-finite loss, or one far above its recent values, forces the
@@ -340,20 +326,18 @@ class GradChecker:
         """GradScaler.step returned without the optimizer stepping: an
         overflow it skipped (normal now and then; many in a row are not).
         The parameters whose values were not finite follow when read."""
-        buckets, self._buckets = self._buckets, []
+        values, self._step_values = self._step_values, None
         self.skipped_overflow_steps += 1
         step = self.agent.progress.step
-        details = {"scaler": True}
 
-        def consume(values: Optional[list[float]], buckets=buckets, step=step) -> None:
+        def consume(read: Optional[list[float]], values=values, step=step) -> None:
             named: list[str] = []
-            if values is not None:
-                _, _, bad_names = self._evaluate(buckets, values)
-                named = bad_names
-            self.agent.record_event("overflow_skipped", step=step, parameters=named[:MAX_NAMED], **details)
+            if read is not None and values is not None:
+                named = self._evaluate(values, read)[1]
+            self.agent.record_event("overflow_skipped", step=step, parameters=named[:MAX_NAMED], scaler=True)
 
-        if buckets:
-            self.agent.progress.reads.submit([v for _, _, v, _ in buckets], consume)
+        if values is not None:
+            self.agent.progress.reads.submit([values[1]], consume)
         else:
             consume(None)
 
@@ -390,63 +374,54 @@ class GradChecker:
         else:
             self._adapt_probe(record)
         record.grad_check_stride = self.stride
-        buckets, self._buckets = self._buckets, []
-        if not buckets:
+        values, self._step_values = self._step_values, None
+        self._last_backward_step = -1
+        if values is None:
             return
-        self.agent.progress.defer([v for _, _, v, _ in buckets],
-                                  lambda values: self._consume(record, buckets, values, sampled))
+        self.agent.progress.defer([values[1]], lambda read: self._consume(record, values, read))
 
-    def _evaluate(self, buckets: list, values: list[float]) -> tuple[float, list[int], list[str]]:
-        """(sum of squared norms, bad bucket indices, bad parameter names in
-        model order) from the flat floats of ``buckets``."""
-        at = 0
-        total = 0.0
-        bad_buckets: list[int] = []
-        bad_names: list[str] = []
-        for index, names, tensor, kind in buckets:
-            size = int(tensor.numel())
-            part = values[at: at + size]
-            at += size
-            if kind == "norms":
-                bad = [n for n, v in zip(names, part) if not math.isfinite(v)]
-                total += sum(v * v for v in part if math.isfinite(v))
-            else:
-                bad = [n for n, v in zip(names, part) if v != 0.0]
-            if bad:
-                bad_buckets.append(index)
-                bad_names.extend(b for b in bad if b not in bad_names)
-        bad_names.sort(key=lambda n: self.order.get(n, 1 << 30))  # model order, not bucket order
-        return total, bad_buckets, bad_names
+    def _evaluate(self, values: tuple[tuple[str, ...], torch.Tensor, str],
+                  read: list[float]) -> tuple[float, list[str]]:
+        """(sum of squared norms, non-finite parameters in model order)."""
+        names, _, kind = values
+        if kind == "norms":
+            bad = [n for n, v in zip(names, read) if not math.isfinite(v)]
+            total = sum(v * v for v in read if math.isfinite(v))
+        else:
+            bad = [n for n, v in zip(names, read) if v != 0.0]
+            total = 0.0
+        bad = list(dict.fromkeys(bad))
+        bad.sort(key=lambda n: self.order.get(n, 1 << 30))  # model order, not backward order
+        return total, bad
 
-    def _consume(self, record: StepRecord, buckets: list, values: Optional[list[float]], sampled: bool) -> None:
-        if values is None:  # not readable (a capture, a stalled device): nothing is claimed
+    def _consume(self, record: StepRecord, values, read: Optional[list[float]]) -> None:
+        if read is None:  # not readable (a capture, a stalled device): nothing is claimed
             return
-        total, bad_buckets, bad_names = self._evaluate(buckets, values)
-        full = sampled and all(kind == "norms" for _, _, _, kind in buckets)
-        if bad_buckets:
+        total, bad = self._evaluate(values, read)
+        full = values[2] == "norms"
+        if bad:
             record.grad_norm = math.nan
         elif full:
-            # Squares summed in Python floats (double): no fp32 overflow of the total.
+            # Squares summed in Python floats (double): no float32 overflow of the total.
             record.grad_norm = math.sqrt(total)
-        record.nonfinite_grads = len(bad_buckets)
-        if bad_buckets:
-            self._bad[record.step] = (bad_buckets, bad_names, "full_check" if full else "probe")
+        record.nonfinite_grads = len(bad)
+        if bad:
+            self._bad[record.step] = (bad, "full_check" if full else "probe")
             while len(self._bad) > 16:
                 self._bad.pop(next(iter(self._bad)))
 
     def _on_record_complete(self, record: StepRecord) -> None:
         """The step's record has its device values (loss, norms): a
         non-finite one is an event naming the parameters."""
-        bad_buckets, bad_names, found_by = self._bad.pop(record.step, ([], [], "full_check"))
-        if not bad_buckets and (record.loss is None or math.isfinite(record.loss)):
+        bad, found_by = self._bad.pop(record.step, ([], "full_check"))
+        if not bad and (record.loss is None or math.isfinite(record.loss)):
             return
         self.agent.record_event(
             "nonfinite",
             step=record.step,
-            source="local_gradients" if bad_buckets else "loss",
-            parameters=bad_names[:MAX_NAMED],
-            buckets=bad_buckets,
-            found_by=found_by if bad_buckets else "loss",
+            source="local_gradients" if bad else "loss",
+            parameters=bad[:MAX_NAMED],
+            found_by=found_by if bad else "loss",
             loss=record.loss,
             scaler=self.scaler_in_use,
         )
@@ -505,9 +480,21 @@ def _patch_grad_scaler() -> None:
 
 
 def attach(agent: "Agent", ddp) -> Optional[GradChecker]:
+    """The checks for a DDP model."""
     if not agent.config.grad_checks:
         return None
-    checker = GradChecker(agent, ddp)
+    ignored = set(getattr(ddp, "parameters_to_ignore", None) or ())
+    named = [(n, p) for n, p in ddp.module.named_parameters() if n not in ignored]
+    return attach_parameters(agent, named, ddp=ddp)
+
+
+def attach_parameters(agent: "Agent", named_parameters, ddp=None) -> Optional[GradChecker]:
+    """The checks for any trained parameters: ``named_parameters`` is a
+    list of (name, parameter) (a model without DDP: FSDP1, a hand-written
+    data-parallel loop; see runtime.on_model_found)."""
+    if not agent.config.grad_checks:
+        return None
+    checker = GradChecker(agent, named_parameters, ddp=ddp)
     _CHECKERS.append(checker)
     _patch_grad_scaler()
     return checker

@@ -142,7 +142,7 @@ def test_gpu_gradient_checks_run_from_step_0_and_keep_nothing_between_steps(agen
     checker = next(e for e in agent.extensions if type(e).__name__ == "GradChecker")
     for _ in range(30):
         _train(model, opt, 1)
-        assert checker._buckets == [], "device tensors kept past the step end"
+        assert checker._step_values is None and checker._values == [], "device tensors kept past the step end"
     assert len(agent.progress.reads.pending) <= agent.progress.reads.limit
     records = _records(agent)
     assert len(records) >= 25, "records are held only until their values are in"
@@ -160,7 +160,7 @@ def test_a_disabled_step_part_stops_the_hook_from_accumulating(agent, gpu):
     try:
         for _ in range(10):
             model(torch.randn(4, 8)).sum().backward()  # backward after backward, no step end reads them
-        assert checker._buckets == []
+            assert checker._step_values is None and checker._values == []
     finally:
         safety._disabled.discard("grad_checks.step")
 

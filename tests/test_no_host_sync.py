@@ -178,9 +178,9 @@ def test_the_detector_catches_an_item_on_the_hot_path(world, baseline, monkeypat
 
     original = GradChecker._inspect
 
-    def with_a_sync(self, bucket):
-        bucket.buffer().norm().item()  # the kind of line this test must catch
-        return original(self, bucket)
+    def with_a_sync(self, param):
+        param.grad.norm().item()  # the kind of line this test must catch
+        return original(self, param)
 
     monkeypatch.setattr(GradChecker, "_inspect", with_a_sync)
     reads, _ = _with_agent(grad_check_budget=0.0)
