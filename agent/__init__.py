@@ -8,9 +8,13 @@ is for what cannot be seen from outside:
     rw.expect_same("tokenizer", sha)  # a value every rank must share (else: config_divergence)
 
 and for launchers other than ``rankwatch run`` (plain torchrun, Ray Train
-workers, Slurm's srun), called before the model is wrapped in DDP:
+workers, Slurm's srun), called before the process group is created:
 
     rw.attach()                  # reads RANKWATCH_* and torch's RANK/WORLD_SIZE env
+
+attach() also sets what `rankwatch run` sets for its workers where the user
+set nothing: Flight Recorder on, under both the old TORCH_NCCL_* and the new
+TORCH_FR_* names, with its dump on timeout in the run dir.
 
 Environment read by the agent: RANKWATCH_COLLECTOR (collector URL; the older
 RANKWATCH_COLLECTOR_URL is accepted too), RANKWATCH_TOKEN, RANKWATCH_RUN_ID
@@ -35,6 +39,7 @@ def attach() -> Optional[Agent]:
         return agent
     try:
         agent = Agent.from_env()
+        _set_flight_recorder_environment(agent.run_dir)
         agent.install()
         agent.watch_exit()  # no bootstrap around the script: see its end ourselves
         return agent
@@ -45,6 +50,22 @@ def attach() -> Optional[Agent]:
         return None
 
 
+def _set_flight_recorder_environment(run_dir: Optional[str]) -> None:
+    """What `rankwatch run` sets for its workers (Flight Recorder on for the
+    whole torch range, its dump on timeout into the run dir): torch reads
+    these when the process group is created, after this call."""
+    import os
+
+    from .collectives import FR_DIR, fr_environment
+
+    os.environ.update(fr_environment(run_dir))
+    if run_dir:
+        try:
+            os.makedirs(os.path.join(run_dir, FR_DIR), exist_ok=True)
+        except OSError:
+            pass
+
+
 def observe(loss: Any = None, **metrics: Any) -> None:
     """Report this step's loss (a float or a 0-d tensor). Never raises."""
     agent = current()
@@ -52,10 +73,8 @@ def observe(loss: Any = None, **metrics: Any) -> None:
         return
     try:
         if hasattr(loss, "detach"):
-            if loss.device.type != "cpu":
-                agent.progress._loss = loss.detach()  # read later without a sync
-                return
-            loss = float(loss.detach())
+            agent.progress.observe_loss_tensor(loss.detach())  # a deferred read, never a sync
+            return
         agent.progress.observe_loss(float(loss))
     except Exception:
         pass

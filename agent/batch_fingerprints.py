@@ -9,9 +9,12 @@ still differs) and the last. One gather kernel; on a GPU the few values
 come back through the deferred device read (a pinned copy, read later: no
 sync). The values are hashed with the shape and dtype into a 52-bit
 fingerprint; the step's fingerprint (`StepRecord.batch_fp`) combines its
-micro-batches'. The data itself never leaves the process. The device path (deferred read,
-then a `step_values` event a step late) was never run on a GPU here: the
-tests run it with a GPU-like double of the read.
+micro-batches'. The data itself never leaves the process. On a device the
+sampled values are read with the step's other device values
+(`Progress.defer`): the step's record is held until they are in, so the
+fingerprint travels in the step row, never as an event of its own. That
+path was never run on a GPU here: the tests run it through the device
+adapter's GPU-like double (agent/device.py).
 
 The collector compares ranks at each step (duplicates across ranks). A
 rank that trains on the same batch step after step is judged here, where
@@ -32,7 +35,6 @@ import torch
 
 from rankwatch.wire import StepRecord
 
-from .grad_checks import _DeferredRead
 from . import models as models_mod
 from .models import Forward, TrainedModels
 from .safety import guarded
@@ -90,15 +92,14 @@ class BatchFingerprints:
         self.agent = agent
         self.models = models
         self.loaders = loaders
-        self.reader = _DeferredRead()
         self._index: dict[tuple, torch.Tensor] = {}
-        self._pending: list[list[Optional[int]]] = []  # this micro-batch's samples, before its backward
-        self._step: list[list[Optional[int]]] = []  # committed by a backward this step
+        # A slot per sampled micro-batch: [digest or None, device values to read or None, header].
+        self._pending: list[list[Any]] = []  # this micro-batch's samples, before its backward
+        self._step: list[list[Any]] = []  # committed by a backward this step
         self._loader: Optional["LoaderInfo"] = None
         self._loader_state: Optional[tuple[int, int]] = None
         self._history: list[tuple[int, Optional[int], Any, Optional[tuple[int, int]]]] = []
         self._reported = False
-        self._late: list[tuple[int, list, Any, Any]] = []
         models.on_training_forward.append(self._on_forward)
         models.on_training_backward.append(self._on_backward)
         agent.progress.step_extras.append(self._on_step_end)
@@ -143,17 +144,11 @@ class BatchFingerprints:
             if data is None:
                 return
         header = struct.pack(f"<{len(data.shape) + 2}q", len(data.shape), *data.shape, _DTYPES.get(data.dtype, 0))
-        slot: list[Optional[int]] = [None]
-        self._pending.append(slot)
         values = data.take(self._positions(data))
         if models_mod.on_host(values):
-            slot[0] = _digest(header, values.double().numpy().tobytes())
-            return
-
-        def consume(read: list[float], slot=slot, header=header) -> None:
-            slot[0] = _digest(header, array.array("d", read).tobytes())
-
-        self.reader.submit([values], consume)
+            self._pending.append([_digest(header, values.double().numpy().tobytes()), None, header])
+        else:
+            self._pending.append([None, values, header])  # a few values, read at the step's end
 
     @guarded("batch_fingerprints.backward")
     def _on_backward(self, forwards: list[Forward]) -> None:
@@ -163,31 +158,28 @@ class BatchFingerprints:
     # -- step end ---------------------------------------------------------------------------------
     @guarded("batch_fingerprints.step")
     def _on_step_end(self, record: StepRecord) -> None:
-        self.reader.poll()
-        self._resolve_late()
         slots, self._step, self._pending = self._step, [], []
         loader, state = self._loader, self._loader_state
         self._loader = self._loader_state = None
-        if slots and all(s[0] is not None for s in slots):
+        unread = [s for s in slots if s[0] is None]
+        if not unread:
+            record.batch_fp = _combine(slots) if slots else None
+            self._judge(record.step, record.batch_fp, loader, state)
+            return
+
+        def consume(read: Optional[list[float]], record=record, slots=slots, loader=loader, state=state) -> None:
+            if read is None:  # given up (a capture, a device far behind): no fingerprint this step
+                self._judge(record.step, None, loader, state)
+                return
+            at = 0
+            for slot in unread:
+                size = int(slot[1].numel())
+                slot[0] = _digest(slot[2], array.array("d", read[at: at + size]).tobytes())
+                slot[1], at = None, at + size
             record.batch_fp = _combine(slots)
             self._judge(record.step, record.batch_fp, loader, state)
-        elif slots:
-            # A GPU read not back yet: the fingerprint follows as a step_values event.
-            self._late.append((record.step, slots, loader, state))
-            del self._late[:-8]
-        else:
-            self._judge(record.step, None, loader, state)
 
-    def _resolve_late(self) -> None:
-        still = []
-        for step, slots, loader, state in self._late:
-            if all(s[0] is not None for s in slots):
-                fp = _combine(slots)
-                self.agent.record_event("step_values", step=step, batch_fp=fp)
-                self._judge(step, fp, loader, state)
-            else:
-                still.append((step, slots, loader, state))
-        self._late = still
+        self.agent.progress.defer([s[1] for s in unread], guarded("batch_fingerprints.read")(consume))
 
     def _judge(self, step: int, fp: Optional[int], loader: Optional["LoaderInfo"],
                state: Optional[tuple[int, int]]) -> None:
@@ -218,7 +210,7 @@ def _digest(header: bytes, values: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(header + values, digest_size=8).digest(), "little") & MASK
 
 
-def _combine(slots: list[list[Optional[int]]]) -> int:
+def _combine(slots: list[list[Any]]) -> int:
     if len(slots) == 1:
         return int(slots[0][0])  # type: ignore[arg-type]
     return hash(tuple(s[0] for s in slots)) & MASK

@@ -24,20 +24,24 @@ if TYPE_CHECKING:
     from .runtime import Agent
 
 
-def memory_state() -> dict[str, Any]:
+def memory_state(agent: Optional["Agent"] = None) -> dict[str, Any]:
+    """Host memory, and the allocator's counters of the device the model's
+    tensors are on (not the current device: a script that never called
+    set_device has GPU 0 current while its tensors live on GPU k)."""
     state: dict[str, Any] = {"rss_bytes": _rss_bytes(), "host_available_bytes": _host_available()}
+    tracker = getattr(agent, "memory", None)
+    device = getattr(tracker, "device", None)
+    if device is None:
+        return state
     try:
-        import torch
+        stats = tracker.adapter.memory_stats(device)
+        if stats is not None:
+            state["cuda"] = {"device": device.index, "allocated_bytes": stats[0], "reserved_bytes": stats[1],
+                             "peak_allocated_bytes": stats[2]}
+            if tracker.adapter.name == "cuda":
+                import torch
 
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            device = torch.cuda.current_device()
-            state["cuda"] = {
-                "device": device,
-                "allocated_bytes": torch.cuda.memory_allocated(device),
-                "reserved_bytes": torch.cuda.memory_reserved(device),
-                "peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
-                "summary": torch.cuda.memory_summary(device, abbreviated=True),
-            }
+                state["cuda"]["summary"] = torch.cuda.memory_summary(device, abbreviated=True)
     except Exception as exc:
         state["cuda_error"] = f"{type(exc).__name__}: {exc}"
     return state
@@ -108,13 +112,16 @@ def build(agent: "Agent", reason: str, incident: str, exception: Optional[dict] 
                 "last_progress_at": progress.last_progress_at,
                 "started_at": progress.started_at,
             },
-            "events": [wire.to_dict(e) for e in agent.events_log],
+            "events": [wire.to_dict(e) for e in agent.recent_events()],
         },
         "env.json": redact_env(dict(os.environ)),
-        "memory.json": memory_state(),
+        "memory.json": memory_state(agent),
         "exception.json": redact_obj(exception) if exception else None,
         "runtime.json": {"argv": redact_obj(list(sys.argv)), "python": sys.version, "executable": sys.executable},
     }
+    from .collectives import timeout_dump_members, timeout_dump_prefix
+
+    members.update(timeout_dump_members(ident.rank, timeout_dump_prefix(agent.run_dir)))
     for name, content in (extra_members or {}).items():
         members[name] = content
     return pack(manifest, members)

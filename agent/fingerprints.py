@@ -3,7 +3,8 @@ out of band.
 
 Every N optimizer steps, one fused kernel (``torch._foreach_norm``) gives a
 norm per parameter; the vector goes to the collector in the next heartbeat
-(on CUDA through a pinned, non-blocking copy read a step later). The
+(through the device adapter's deferred read: a pinned, non-blocking copy
+read a step later on a GPU). The
 collector compares replicas; no collective is added to the training. A norm
 changes with any perturbation of a tensor except an exact permutation or sign
 flip of its elements, which no real fault produces.
@@ -35,7 +36,8 @@ import torch
 
 from rankwatch.wire import StepRecord
 
-from .grad_checks import _DeferredRead, fp32_norms
+from .device import DeferredReads
+from .grad_checks import fp32_norms
 from .safety import guarded
 
 if TYPE_CHECKING:
@@ -77,7 +79,7 @@ class Fingerprinter:
         self.buffer_names = [n for n, _ in buffers] if self.compare_buffers else []
         self.buffer_module = ddp.module
         self.names = self.param_names + self.buffer_names  # one list, shared by every fingerprint sent
-        self.reader = _DeferredRead()
+        self.reader = agent.progress.reads  # the device adapter's deferred reads (agent/device.py)
         # Parameter norms waiting for the buffer norms of the next synchronised forward.
         self._pending: Optional[tuple[int, list[torch.Tensor]]] = None
         self._syncing = False
@@ -165,7 +167,9 @@ class Fingerprinter:
             return
         extra = {"buffers": "after_broadcast"} if buffer_norms else {}  # where DDP made them equal
 
-        def consume(norms: list[float], step=step, names=names) -> None:
+        def consume(norms: Optional[list[float]], step=step, names=names) -> None:
+            if norms is None:  # not readable (a graph capture, a stalled device)
+                return
             self.agent.add_fingerprint({"step": step, "names": names, "norms": norms, **extra})
 
         self.reader.submit(values, consume)
@@ -217,7 +221,7 @@ class OptimizerFingerprinter:
         self.every = every
         self.multiplier = 1
         self.budget = agent.config.grad_check_budget * BUDGET_SHARE
-        self.reader = _DeferredRead()
+        self.reader = DeferredReads()
         self.started = False
         self._names: Optional[list[str]] = None
         self._version = -1
@@ -253,7 +257,9 @@ class OptimizerFingerprinter:
         all_names = names + ["grad:" + n[len("param:"):] for n, _ in grads]
         step = self.agent.progress.step
 
-        def consume(values: list[float], step=step, names=all_names) -> None:
+        def consume(values: Optional[list[float]], step=step, names=all_names) -> None:
+            if values is None:
+                return  # not readable (a graph capture, a stalled device)
             self.agent.add_fingerprint({"step": step, "names": names, "norms": values, "at": "start",
                                         "source": "optimizer"})
 
@@ -273,7 +279,9 @@ class OptimizerFingerprinter:
             norms = fp32_norms([p.detach() for p in params])
         step = record.step
 
-        def consume(values: list[float], step=step, names=names) -> None:
+        def consume(values: Optional[list[float]], step=step, names=names) -> None:
+            if values is None:
+                return  # not readable (a graph capture, a stalled device)
             self.agent.add_fingerprint({"step": step, "names": names, "norms": values, "source": "optimizer"})
 
         self.reader.submit(norms, consume)

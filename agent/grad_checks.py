@@ -1,25 +1,46 @@
-"""Local-gradient checks on every DDP model, before the allreduce.
+"""Local-gradient checks before the allreduce, on every parameter the
+optimizer will update.
 
-A DDP communication hook sees each gradient bucket while it still holds this
-rank's *local* gradients (``GradBucket.buffer()``). The hook computes one norm
-per bucket on the device (no sync), then runs the user's hook, or DDP's
-default allreduce. At the end of the step the norms are read: directly on the
-CPU; on CUDA through a non-blocking copy into pinned memory that is read one
-step later, when its event has completed. Nothing here syncs the device or
-adds a collective.
+Each parameter gets a post-accumulate-grad hook
+(``Tensor.register_post_accumulate_grad_hook``, torch >= 2.1). Autograd runs
+it right after the gradient is accumulated into ``param.grad`` and *before*
+the node's post hooks, among them DDP's reducer hook that copies the
+gradient into its bucket and starts the allreduce: the hook sees this rank's
+*local* gradient. On the steps the cost budget samples it takes the
+gradient's float32 norm (one kernel), on the others a sparse finiteness
+probe (a gather of a few elements); at the end of the backward (an autograd
+callback) the values are stacked into one vector, read on the host through
+the device adapter's deferred reads (agent/device.py) with the step's other
+device values: at the step's end on a CPU, a step or more later on a GPU,
+never with a sync. They travel in the step's record (``grad_norm``,
+``nonfinite_grads``); a non-finite value names its parameter, and the
+origin rank is the one non-finite *before* the allreduce.
 
-When a norm is not finite, the parameters whose local gradient is not finite
-are named (only then, so the common path stays cheap). Under AMP's GradScaler
-an overflow step that the scaler skips is normal and is only counted.
+Why these hooks and not a DDP communication hook: measured side by side on
+two gloo ranks (``bench/grad_check_cost.py``), a Python comm hook replacing
+DDP's C++ allreduce costs 1.09-1.11x the step of the C++ path before any
+check (Python futures per bucket; DDP no longer folds the 1/world division
+into its copy), the comm hook with per-parameter norms 1.13-1.17x, and DDP's
+C++ allreduce with these hooks 1.05-1.11x (norms) and 1.03-1.06x (probe). The hooks keep DDP's
+C++ path and the user's own comm hook untouched, and work without DDP
+(FSDP1, hand-written loops: the checker takes any list of parameters).
 
-A user hook registered with ``register_comm_hook`` is wrapped, not replaced.
+The same code runs on every device: the test double (``GpuLikeDouble``)
+makes CPU tests run what CUDA runs. No GPU run of it has been made here.
+
+Under AMP's GradScaler, a step the scaler skips (an overflow) is counted
+when ``GradScaler.step`` returns without the optimizer having stepped; a
+backward without an optimizer step (gradient accumulation) is not an
+overflow. Under ``no_sync()`` accumulation the checks wait for the backward
+that synchronises. Under compiled autograd's Python reducer (DDP's own
+post-accumulate hooks allreduce first) and during a CUDA graph capture the
+checks step aside.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -27,19 +48,24 @@ import torch
 
 from rankwatch.wire import StepRecord
 
+from . import device as device_mod
+from .device import DeferredReads
 from .patching import Patches, argument, binding_error
-from .safety import guarded, log
+from .safety import guarded, is_disabled, log
 
 if TYPE_CHECKING:
     from .runtime import Agent
 
 MAX_NAMED = 8
-PROBE_ELEMENTS = 512  # elements per bucket and step, on steps the full check is sampled out
+PROBE_ELEMENTS = 512  # elements per model and step, on steps the full check is sampled out
 PROBE_MIN, PROBE_MAX = 16, 8192
 PROBE_ROTATIONS = 16
 
 # Module-wide patches (one DDP class, one GradScaler class for every agent).
 _PATCHES = Patches()
+
+# The deferred read, now the device adapter's (kept under its old name for importers).
+_DeferredRead = DeferredReads
 
 
 def fp32_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -62,7 +88,16 @@ def fp32_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def unpatch() -> None:
     _PATCHES.undo()
+    for checker in _CHECKERS:
+        checker.remove()
     _CHECKERS.clear()
+
+
+def _compiling() -> bool:
+    try:
+        return bool(torch.compiler.is_compiling())
+    except Exception:
+        return False
 
 
 def _patch_register_comm_hook() -> None:
@@ -75,7 +110,7 @@ def _patch_register_comm_hook() -> None:
             # Same calls as the original: (ddp, state, hook), by position or name.
             ddp = argument(original, args, kwargs, 0)
             checker = getattr(ddp, "_rankwatch_grad_checker", None)
-            if checker is None or checker.registered or binding_error(original, args, kwargs):
+            if checker is None or binding_error(original, args, kwargs):
                 return original(*args, **kwargs)
             return checker.register(original, argument(original, args, kwargs, 1),
                                     argument(original, args, kwargs, 2))
@@ -85,103 +120,90 @@ def _patch_register_comm_hook() -> None:
     _PATCHES.apply(DistributedDataParallel, "register_comm_hook", make)
 
 
-def _original_register_comm_hook():
-    from torch.nn.parallel import DistributedDataParallel
+def uses_python_reducer(ddp: Any) -> bool:
+    """DDP built under ``torch._dynamo.config.optimize_ddp = "python_reducer"``
+    (torch >= 2.4): with compiled autograd it calls comm hooks once per
+    parameter with a ``(grad, param)`` tuple, and DDP's own default then is
+    an in-graph functional allreduce. A hook of ours would replace that."""
+    return bool(getattr(ddp, "_use_python_reducer", False))
 
-    fn = DistributedDataParallel.register_comm_hook
-    return getattr(fn, "__wrapped__", fn) if getattr(fn, "__rankwatch_wrapped__", False) else fn
 
-
-class _DeferredRead:
-    """Device scalars -> host floats without a sync (CUDA: pinned copy + event)."""
-
-    def __init__(self) -> None:
-        self.pending: list[tuple[Any, Any, Callable[[list[float]], None]]] = []
-
-    def submit(self, values: list[torch.Tensor], consume: Callable[[list[float]], None]) -> None:
-        """``values``: scalars and vectors (a bucket's per-parameter norms),
-        read as one flat list of floats in their order."""
-        if not values:
-            return
-        stacked = torch.cat([v.detach().float().reshape(-1) for v in values])
-        if stacked.device.type == "cpu":
-            consume(stacked.tolist())
-            return
-        host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
-        host.copy_(stacked, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self.pending.append((host, event, consume))
-
-    def poll(self) -> None:
-        still = []
-        for host, event, consume in self.pending:
-            if event.query():
-                consume(host.tolist())
-            else:
-                still.append((host, event, consume))
-        self.pending = still[-64:]
+MAX_PARAMETERS = 65536  # parameters checked per model, at most
 
 
 class GradChecker:
-    def __init__(self, agent: "Agent", ddp) -> None:
+    """``named_parameters``: (name, parameter) of the model being trained;
+    ``ddp``: its DistributedDataParallel wrapper, if any."""
+
+    def __init__(self, agent: "Agent", named_parameters, ddp=None) -> None:
         self.agent = agent
         self.ddp = ddp
-        self.registered = False
-        self.names = {id(p): n for n, p in ddp.module.named_parameters()}
-        self.order = {n: i for i, n in enumerate(self.names.values())}
-        self._norms: list[torch.Tensor] = []  # this step's local bucket norms (device)
-        self._param_norms: list[tuple[list[str], torch.Tensor]] = []  # CUDA only
-        self._bucket_params: dict[int, list[str]] = {}
-        self._nonfinite_params: list[str] = []
-        self._hooks_this_step = 0
-        self._last_bucket_step = -1
-        self.reader = _DeferredRead()
+        self.registered = True  # the user's comm hooks are only wrapped, never replaced
+        seen: set[int] = set()
+        params = []
+        for name, p in named_parameters:
+            if p.requires_grad and id(p) not in seen and len(params) < MAX_PARAMETERS:
+                seen.add(id(p))
+                params.append((name, p))
+        self.params = params
+        self.names = {id(p): n for n, p in params}
+        self.order = {n: i for i, (n, _) in enumerate(params)}
+        # This backward's values (one 0-d tensor per parameter, in hook order),
+        # and the step's: one vector per backward that synchronised, the last one kept.
+        self._names: list[str] = []
+        self._values: list[torch.Tensor] = []
+        self._in_backward = False
+        self._skip_backward = False
+        self._last_grad: Optional[torch.Tensor] = None
+        self._step_values: Optional[tuple[tuple[str, ...], torch.Tensor, str]] = None
+        self._last_backward_step = -1
         self.scaler_in_use = False
         self.skipped_overflow_steps = 0
-        self._lock = threading.Lock()
-        # Cost control: on a CPU every check is a pass over the gradients. When
-        # that exceeds the budget (a fraction of the step time), check every
-        # `stride`-th step; the loss is still checked on every step.
+        # Cost control: every check costs host time on the autograd thread (and
+        # on a CPU a pass over the gradients). When that exceeds the budget (a
+        # fraction of the step time), the full check runs every `stride`-th
+        # step; the loss is still checked on every step.
         self.budget = agent.config.grad_check_budget
         self.stride = 1
         self._sampled = True
         self._spent = 0.0
-        self._norm_buckets: list[int] = []  # bucket index of each entry of _norms
-        # Every step: a sparse finiteness probe of each bucket, its size kept
+        # Every step: a sparse finiteness probe of each gradient, its size kept
         # within the same budget (halved / doubled as the measured cost asks).
         self.probe_elements = PROBE_ELEMENTS
         self._probe_spent = 0.0
         self._probe_round = 0
-        self._probe_layout: dict[int, tuple[tuple[int, int], Any]] = {}  # bucket -> (key, slices)
-        ddp._rankwatch_grad_checker = self
-        _patch_register_comm_hook()
-        ddp.register_forward_pre_hook(self._register_default_before_first_forward)
+        self._total_elements = max(1, sum(p.numel() for _, p in params))
+        self._probe_layout: dict[int, tuple[tuple[int, int], list[torch.Tensor]]] = {}
+        self._bad: dict[int, tuple[list[str], str]] = {}  # step -> what was not finite
+        self._handles = []
+        self.python_reducer = ddp is not None and uses_python_reducer(ddp)
+        if self.python_reducer:
+            # DDP's own post-accumulate hooks allreduce first: ours would see averages.
+            agent.record_event("grad_checks_off", reason="python_reducer")
+            log("local gradient checks off for this model: DDP uses the Python reducer "
+                "(torch._dynamo.config.optimize_ddp='python_reducer')")
+        else:
+            for _, p in params:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        if ddp is not None:
+            ddp._rankwatch_grad_checker = self
+            _patch_register_comm_hook()
         agent.progress.step_extras.append(self._on_step_end)
+        agent.progress.record_complete.append(guarded("grad_checks.step")(self._on_record_complete))
 
-    # -- registration -------------------------------------------------------------
-    def _register_default_before_first_forward(self, module, inputs) -> None:
-        if self.registered:
-            return
-        try:
-            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
-            self.register(_original_register_comm_hook(), None, allreduce_hook)
-        except Exception as exc:  # a built-in C++ hook is already there, or DDP refused
-            self.registered = True
-            log(f"local gradient checks off for this model: {type(exc).__name__}: {exc}")
-
+    # -- a user's comm hook: its collectives are the gradient reduction -------------
     def register(self, original_register, state, user_hook):
-        self.registered = True
-        checker = self
-
         local = self.agent.collectives._local
 
         @functools.wraps(user_hook)
-        def checked_hook(hook_state, bucket):
-            checker._inspect(bucket)
-            # The hook's collectives are DDP's gradient reduction: not recorded
-            # as Python call sites (that is how a stray user collective stands out).
+        def reducing_hook(hook_state, bucket):
+            # Not recorded as Python call sites (that is how a stray user
+            # collective stands out from the gradient allreduce).
             outer = getattr(local, "depth", 0)
             local.depth = 1
             try:
@@ -189,153 +211,135 @@ class GradChecker:
             finally:
                 local.depth = outer
 
-        return original_register(self.ddp, state, checked_hook)
+        return original_register(self.ddp, state, reducing_hook)
 
-    # -- inside the hook (autograd thread) --------------------------------------
+    # -- inside the backward (autograd thread) -----------------------------------
+    def _on_grad(self, param) -> None:
+        if _compiling():  # compiled autograd traces hooks: nothing of ours in the graph
+            return
+        self._inspect(param)
+
     @guarded("grad_checks.hook")
-    def _inspect(self, bucket) -> None:
-        index = bucket.index()
-        if index == 0:
-            step = self.agent.progress.step
-            if self._last_bucket_step == step and (self._norms or self._nonfinite_params):
-                # A second backward without an optimizer step: the previous one
-                # was skipped (GradScaler overflow, or the script's choice).
-                self._previous_step_skipped()
-            self._last_bucket_step = step
-            self._sampled = step % self.stride == 0 or self._loss_is_unusual()
-        if bucket.is_last():
-            self.agent.progress.on_backward_done(_now())
-        if not self._sampled:
-            self._probe(bucket, index)
+    def _inspect(self, param) -> None:
+        if not self._in_backward:
+            self._start_backward(param)
+        if self._skip_backward:
             return
+        grad = param.grad
+        if grad is None or not grad.is_floating_point() or grad.is_sparse:
+            return
+        self._last_grad = grad
         started = time.perf_counter()
-        buffer = bucket.buffer()
-        if buffer.device.type == "cpu":
-            if buffer.dtype in (torch.float32, torch.float64):
-                # BLAS dot: ~4x faster than vector_norm on a CPU (one pass, vectorised).
-                norm = torch.dot(buffer, buffer).sqrt()
-                if not math.isfinite(float(norm)):
-                    norm = torch.linalg.vector_norm(buffer)  # overflow of the square, or a real NaN/Inf
-            else:
-                norm = torch.linalg.vector_norm(buffer, dtype=torch.float32)  # fp16/bf16: see fp32_norms
-        else:
-            # On a GPU the values are read a step later, when the local
-            # gradients are gone: keep per-parameter norms (one fused kernel)
-            # so a non-finite one can still be named.
-            per_param = torch.stack(fp32_norms(bucket.gradients()))
-            norm = torch.linalg.vector_norm(per_param)
-            self._param_norms.append(([self.names.get(id(p), "?") for p in bucket.parameters()], per_param))
-        self._norms.append(norm)
-        self._norm_buckets.append(index)
-        if norm.device.type == "cpu" and not math.isfinite(float(norm)):
-            self._name_nonfinite(bucket)
-        self._spent += time.perf_counter() - started
-
-    def _probe(self, bucket, index: int) -> None:
-        """On a step the budget does not sample: a sparse read of the local
-        bucket. Every parameter's gradient gets at least one probed element
-        and large ones more (about `probe_elements` per bucket in all, spread
-        in proportion to size); each probe moves within its slice every step,
-        so a slice is sampled at PROBE_ROTATIONS places over the steps. A NaN from one sample's
-        backward poisons whole weight-gradient tensors (or whole rows), so
-        this finds it; a lone bad element is found with probability ~ elements
-        read / bucket size (bench/grad_check_cost.py measures both). A
-        non-finite probe escalates to the full check of that bucket. CPU only:
-        on a GPU the full check is asynchronous and rarely sampled out."""
-        started = time.perf_counter()
-        buffer = bucket.buffer()
-        if buffer.device.type != "cpu" or not buffer.is_floating_point() or self.probe_elements <= 0:
+        if self._sampled:
+            self._values.append(torch.linalg.vector_norm(grad.detach(), dtype=torch.float32))
+            self._names.append(self.names.get(id(param), "?"))
+            self._spent += time.perf_counter() - started
             return
-        if buffer.numel() == 0:
+        positions = self._probe_positions(param, grad)
+        if positions is None:
             return
-        slices = self._probe_slices(bucket, index, buffer)
-        if slices is None:
-            return
-        # One of a few precomputed rotations: every tensor op costs several
-        # microseconds on the autograd thread, so the probe is one gather and one sum.
-        positions = slices[self._probe_round % len(slices)]
-        if math.isfinite(float(buffer.take(positions).sum())):
-            self._probe_spent += time.perf_counter() - started
-            return
-        norm = torch.linalg.vector_norm(buffer, dtype=torch.float32)
-        if not math.isfinite(float(norm)):  # not a mere overflow of the probe's sum
-            self._norms.append(norm)
-            self._norm_buckets.append(index)
-            self._name_nonfinite(bucket)
+        # Non-finite elements among a few: one gather, one count (float32 sums: no overflow).
+        self._values.append(torch.isfinite(grad.detach().reshape(-1).take(positions)).logical_not_().sum(
+            dtype=torch.float32))
+        self._names.append(self.names.get(id(param), "?"))
         self._probe_spent += time.perf_counter() - started
 
-    def _probe_slices(self, bucket, index: int, buffer: torch.Tensor) -> list[torch.Tensor]:
-        """The positions to read, one int64 tensor per rotation; computed once
-        per bucket layout and probe size."""
-        n = buffer.numel()
-        key = (n, self.probe_elements)
-        cached = self._probe_layout.get(index)
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        size = buffer.element_size()
-        base = buffer.data_ptr()
-        starts: list[int] = []
-        lengths: list[int] = []
-        for grad in bucket.gradients():
-            m = grad.numel()
-            offset = (grad.data_ptr() - base) // size if m else -1
-            if m == 0 or offset < 0 or offset + m > n:
-                continue  # not a view of this bucket's buffer
-            k = max(1, min(m, round(self.probe_elements * m / n)))
-            for j in range(k):
-                lo, hi = offset + (j * m) // k, offset + ((j + 1) * m) // k
-                if hi > lo:
-                    starts.append(lo)
-                    lengths.append(hi - lo)
-        if not starts:  # gradients not laid out in the buffer: spread over the whole of it
-            k = max(1, min(n, self.probe_elements))
-            starts = [(j * n) // k for j in range(k)]
-            lengths = [max(1, ((j + 1) * n) // k - (j * n) // k) for j in range(k)]
-        first = torch.tensor(starts, dtype=torch.int64)
-        spans = torch.tensor(lengths, dtype=torch.int64)
-        # Rotations: probe j of a slice reads element (r * 7919 + index) mod length
-        # of it in round r; the slices are read through over the rounds.
-        slices = [first + torch.remainder(torch.full_like(spans, r * 7919 + index), spans)
-                  for r in range(PROBE_ROTATIONS)]
-        self._probe_layout[index] = (key, slices)
-        return slices
+    def _start_backward(self, param) -> None:
+        """The first gradient of a backward: decide what this backward does,
+        and ask autograd to tell us when it is over."""
+        self._in_backward = True
+        self._names, self._values, self._last_grad = [], [], None
+        step = self.agent.progress.step
+        if self._last_backward_step != step:
+            self._step_values = None  # a new step
+        self._last_backward_step = step
+        ddp = self.ddp
+        syncing = ddp is None or bool(getattr(ddp, "require_backward_grad_sync", True))
+        grad = param.grad
+        self._skip_backward = (not syncing or is_disabled("grad_checks.step")
+                               or (grad is not None and device_mod.capturing(device_mod.device_of(grad))))
+        self._sampled = step % self.stride == 0 or self._loss_is_unusual()
+        if not self._sampled and self.probe_elements <= 0:
+            self._skip_backward = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    @guarded("grad_checks.hook")
+    def _end_backward(self) -> None:
+        """Autograd's callback at the end of the backward (before DDP's own,
+        which waits for the allreduce): the local backward is done."""
+        self._in_backward = False
+        try:
+            grad = self._last_grad
+            if grad is not None and not self._skip_backward:
+                self.agent.progress.on_backward_done(time.time(), grad)
+            else:
+                self.agent.progress.on_backward_done(time.time())
+            if self._values and not self._skip_backward:
+                # One vector per backward; a later backward of the same step
+                # (accumulation, a step GradScaler skipped) supersedes it.
+                self._step_values = (tuple(self._names), torch.stack(self._values),
+                                     "norms" if self._sampled else "probe")
+        finally:
+            self._names, self._values, self._last_grad = [], [], None
+
+    def _probe_positions(self, param, grad: torch.Tensor) -> Optional[torch.Tensor]:
+        """This step's probe positions in the gradient: about
+        `probe_elements` over the whole model, spread in proportion to size,
+        at least one per parameter; each moves within its slice every step,
+        so a slice is sampled at PROBE_ROTATIONS places over the steps. A NaN
+        from one sample's backward poisons whole weight-gradient tensors (or
+        whole rows), so this finds it; a lone bad element is found with
+        probability ~ elements read / gradient size (bench/grad_check_cost.py
+        measures both)."""
+        m = grad.numel()
+        if m == 0:
+            return None
+        key = (m, self.probe_elements)
+        cached = self._probe_layout.get(id(param))
+        if cached is None or cached[0] != key:
+            k = max(1, min(m, round(self.probe_elements * m / self._total_elements)))
+            starts = torch.tensor([(j * m) // k for j in range(k)], dtype=torch.int64)
+            spans = torch.tensor([max(1, ((j + 1) * m) // k - (j * m) // k) for j in range(k)], dtype=torch.int64)
+            rotations = [(starts + torch.remainder(torch.full_like(spans, r * 7919 + len(self._probe_layout)),
+                                                   spans)).to(grad.device) for r in range(PROBE_ROTATIONS)]
+            cached = (key, rotations)
+            if len(self._probe_layout) < MAX_PARAMETERS:
+                self._probe_layout[id(param)] = cached
+        rotations = cached[1]
+        return rotations[self._probe_round % len(rotations)]
 
     def _loss_is_unusual(self) -> bool:
         """A non-finite loss, or one far above its recent values, forces the
-        check on a sampled-out step: a bad batch is still caught and named
-        (free on a CPU; a GPU loss is never read here)."""
-        loss = self.agent.progress._loss
-        try:
-            if loss is None or loss.device.type != "cpu" or loss.numel() != 1:
-                return False
-            value = abs(float(loss.detach()))
-        except Exception:
+        full check on a sampled-out step: a bad batch is still caught and
+        named. The loss is known here only when its deferred read is already
+        in (at once on a CPU; on a GPU it is read after the step)."""
+        value = self.agent.progress.current_loss()
+        if value is None:
             return False
         if not math.isfinite(value):
             return True
         typical = self.agent.progress.typical_loss
-        return typical is not None and value > 10 * typical + 1e-12
+        return typical is not None and abs(value) > 10 * typical + 1e-12
 
-    def _name_nonfinite(self, bucket) -> None:
-        """Only on the rare bad step: which parameters' local gradients are not finite."""
-        bad = []
-        for param, grad in zip(bucket.parameters(), bucket.gradients()):
-            if not bool(torch.isfinite(grad).all()):
-                bad.append(self.names.get(id(param), f"<param {tuple(param.shape)}>"))
-        with self._lock:
-            for name in bad:
-                if name not in self._nonfinite_params:
-                    self._nonfinite_params.append(name)
+    @guarded("grad_checks.step")
+    def on_skipped_step(self) -> None:
+        """GradScaler.step returned without the optimizer stepping: an
+        overflow it skipped (normal now and then; many in a row are not).
+        The parameters whose values were not finite follow when read."""
+        values, self._step_values = self._step_values, None
+        self.skipped_overflow_steps += 1
+        step = self.agent.progress.step
 
-    def _previous_step_skipped(self) -> None:
-        norms, self._norms = self._norms, []
-        self._norm_buckets = []
-        named, self._nonfinite_params = self._nonfinite_params, []
-        self._param_norms = []
-        values = [float(n) for n in norms if n.device.type == "cpu"]
-        if not values or not all(math.isfinite(v) for v in values):
-            self.skipped_overflow_steps += 1
-            self.agent.record_event("overflow_skipped", scaler=self.scaler_in_use, parameters=named[:MAX_NAMED])
+        def consume(read: Optional[list[float]], values=values, step=step) -> None:
+            named: list[str] = []
+            if read is not None and values is not None:
+                named = self._evaluate(values, read)[1]
+            self.agent.record_event("overflow_skipped", step=step, parameters=named[:MAX_NAMED], scaler=True)
+
+        if values is not None:
+            self.agent.progress.reads.submit([values[1]], consume)
+        else:
+            consume(None)
 
     # -- end of step (training thread) ------------------------------------------------
     def _adapt(self, record: StepRecord) -> None:
@@ -364,67 +368,63 @@ class GradChecker:
 
     @guarded("grad_checks.step")
     def _on_step_end(self, record: StepRecord) -> None:
-        self.reader.poll()
-        if self._sampled:
+        sampled = self._sampled
+        if sampled:
             self._adapt(record)
         else:
             self._adapt_probe(record)
         record.grad_check_stride = self.stride
-        buckets, self._norm_buckets = self._norm_buckets, []
-        norms, self._norms = self._norms, []
-        named, self._nonfinite_params = self._nonfinite_params, []
-        named.sort(key=lambda n: self.order.get(n, 1 << 30))  # model order, not bucket order
-        if not norms:
+        values, self._step_values = self._step_values, None
+        self._last_backward_step = -1
+        if values is None:
             return
-        if norms[0].device.type == "cpu":
-            values = [float(n) for n in norms]
-            self._fill(record, values, named, buckets, sampled=self._sampled)
+        self.agent.progress.defer([values[1]], lambda read: self._consume(record, values, read))
+
+    def _evaluate(self, values: tuple[tuple[str, ...], torch.Tensor, str],
+                  read: list[float]) -> tuple[float, list[str]]:
+        """(sum of squared norms, non-finite parameters in model order)."""
+        names, _, kind = values
+        if kind == "norms":
+            bad = [n for n, v in zip(names, read) if not math.isfinite(v)]
+            total = sum(v * v for v in read if math.isfinite(v))
+        else:
+            bad = [n for n, v in zip(names, read) if v != 0.0]
+            total = 0.0
+        bad = list(dict.fromkeys(bad))
+        bad.sort(key=lambda n: self.order.get(n, 1 << 30))  # model order, not backward order
+        return total, bad
+
+    def _consume(self, record: StepRecord, values, read: Optional[list[float]]) -> None:
+        if read is None:  # not readable (a capture, a stalled device): nothing is claimed
             return
-        # CUDA: the record goes out now; the values follow as an event a step later.
-        step = record.step
-        param_norms, self._param_norms = self._param_norms, []
-        names = [n for group, _ in param_norms for n in group]
-        loss = self.agent.progress._loss
-        tensors = list(norms) + [t for _, t in param_norms]
-        sizes = [len(norms)] + [len(group) for group, _ in param_norms]
-        if loss is not None and getattr(loss, "numel", lambda: 0)() == 1:
-            tensors.append(loss.detach().reshape(()))
-
-        def consume(values: list[float], step=step) -> None:
-            bucket_values = values[: sizes[0]]
-            flat = []
-            at = sizes[0]
-            for size in sizes[1:]:
-                flat.extend(values[at: at + size])
-                at += size
-            loss_value = values[at] if len(values) > at else None
-            bad = [i for i, v in enumerate(bucket_values) if not math.isfinite(v)]
-            total = math.sqrt(sum(v * v for v in bucket_values)) if not bad else math.nan
-            self.agent.record_event("step_values", step=step, grad_norm=total, loss=loss_value)
-            if bad or (loss_value is not None and not math.isfinite(loss_value)):
-                named_bad = [n for n, v in zip(names, flat) if not math.isfinite(v)]
-                self.agent.record_event("nonfinite", step=step, source="local_gradients" if bad else "loss",
-                                        parameters=named_bad[:MAX_NAMED], buckets=bad, loss=loss_value,
-                                        scaler=self.scaler_in_use)
-
-        self.reader.submit(tensors, consume)
-
-    def _fill(self, record: StepRecord, values: list[float], named: list[str], buckets: list[int],
-              sampled: bool = True) -> None:
-        bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
-        # A probe's escalation measures only the bad bucket: no norm for the step then.
-        record.grad_norm = (math.sqrt(sum(v * v for v in values)) if sampled else None) if not bad else math.nan
+        total, bad = self._evaluate(values, read)
+        full = values[2] == "norms"
+        if bad:
+            record.grad_norm = math.nan
+        elif full:
+            # Squares summed in Python floats (double): no float32 overflow of the total.
+            record.grad_norm = math.sqrt(total)
         record.nonfinite_grads = len(bad)
-        if bad or (record.loss is not None and not math.isfinite(record.loss)):
-            self.agent.record_event(
-                "nonfinite",
-                source="local_gradients" if bad else "loss",
-                parameters=named[:MAX_NAMED],
-                buckets=[buckets[i] if i < len(buckets) else i for i in bad],
-                found_by="full_check" if sampled else "probe",
-                loss=record.loss,
-                scaler=self.scaler_in_use,
-            )
+        if bad:
+            self._bad[record.step] = (bad, "full_check" if full else "probe")
+            while len(self._bad) > 16:
+                self._bad.pop(next(iter(self._bad)))
+
+    def _on_record_complete(self, record: StepRecord) -> None:
+        """The step's record has its device values (loss, norms): a
+        non-finite one is an event naming the parameters."""
+        bad, found_by = self._bad.pop(record.step, ([], "full_check"))
+        if not bad and (record.loss is None or math.isfinite(record.loss)):
+            return
+        self.agent.record_event(
+            "nonfinite",
+            step=record.step,
+            source="local_gradients" if bad else "loss",
+            parameters=bad[:MAX_NAMED],
+            found_by=found_by if bad else "loss",
+            loss=record.loss,
+            scaler=self.scaler_in_use,
+        )
 
     def on_command(self, command) -> None:
         if command.details.get("action") == "detect_anomaly":
@@ -433,23 +433,19 @@ class GradChecker:
             log("autograd anomaly detection turned on for this rank (requested by the collector)")
 
 
-def _now() -> float:
-    import time
-
-    return time.time()
-
-
 _CHECKERS: list[GradChecker] = []
 
 
 def _patch_grad_scaler() -> None:
-    """Under GradScaler, an overflow step it skips is normal: know it is there."""
+    """Under GradScaler, an overflow step it skips is normal: know it is
+    there (``scale``), and know a skip when it happens (``step`` returned
+    and no optimizer stepped)."""
     try:
         from torch.amp.grad_scaler import GradScaler
     except ImportError:
         return
 
-    def make(original):
+    def make_scale(original):
         @functools.wraps(original)
         def scale(*args, **kwargs):
             for checker in _CHECKERS:
@@ -463,13 +459,42 @@ def _patch_grad_scaler() -> None:
 
         return scale
 
-    _PATCHES.apply(GradScaler, "scale", make)
+    def make_step(original):
+        @functools.wraps(original)
+        def step(*args, **kwargs):
+            if not _CHECKERS or _compiling():
+                return original(*args, **kwargs)
+            progress = _CHECKERS[-1].agent.progress
+            before = progress.optimizer_steps
+            result = original(*args, **kwargs)
+            enabled = getattr(args[0], "_enabled", True) if args else True
+            if enabled and progress.optimizer_steps == before:
+                for checker in _CHECKERS:
+                    checker.on_skipped_step()
+            return result
+
+        return step
+
+    _PATCHES.apply(GradScaler, "scale", make_scale)
+    _PATCHES.apply(GradScaler, "step", make_step)
 
 
 def attach(agent: "Agent", ddp) -> Optional[GradChecker]:
+    """The checks for a DDP model."""
     if not agent.config.grad_checks:
         return None
-    checker = GradChecker(agent, ddp)
+    ignored = set(getattr(ddp, "parameters_to_ignore", None) or ())
+    named = [(n, p) for n, p in ddp.module.named_parameters() if n not in ignored]
+    return attach_parameters(agent, named, ddp=ddp)
+
+
+def attach_parameters(agent: "Agent", named_parameters, ddp=None) -> Optional[GradChecker]:
+    """The checks for any trained parameters: ``named_parameters`` is a
+    list of (name, parameter) (a model without DDP: FSDP1, a hand-written
+    data-parallel loop; see runtime.on_model_found)."""
+    if not agent.config.grad_checks:
+        return None
+    checker = GradChecker(agent, named_parameters, ddp=ddp)
     _CHECKERS.append(checker)
     _patch_grad_scaler()
     return checker

@@ -15,7 +15,6 @@ import torch
 
 from rankwatch.wire import StepRecord
 
-from .grad_checks import _DeferredRead
 from .safety import guarded
 
 if TYPE_CHECKING:
@@ -38,7 +37,7 @@ class GradientFlow:
         self.zero_counts: dict[str, int] = {}
         self.samples = 0
         self.reported_zero = False
-        self.reader = _DeferredRead()
+        self.reader = agent.progress.reads  # deferred device reads (agent/device.py)
         self.every = max(1, agent.config.fingerprint_every or 10)
         agent.progress.step_extras.append(self._on_step_end)
 
@@ -76,7 +75,9 @@ class GradientFlow:
             norms = torch._foreach_norm(grads)
         self.reader.submit(list(norms), lambda values, names=names: self._count_zero(names, values))
 
-    def _count_zero(self, names: list[str], values: list[float]) -> None:
+    def _count_zero(self, names: list[str], values: Optional[list[float]]) -> None:
+        if values is None:  # not readable (a graph capture, a stalled device)
+            return
         self.samples += 1
         for name, value in zip(names, values):
             if value == 0.0:

@@ -1,17 +1,23 @@
 """Memory tracking every step, without a sync: host RSS from /proc, and on
-CUDA the caching allocator's counters (host-side numbers, no device work).
+an accelerator the caching allocator's counters (host-side numbers, no
+device work), read once per step through the device adapter
+(agent/device.py) for the device the model's tensors are on.
 
-On CUDA, optionally records allocator history (bounded ``max_entries``) and
-attaches torch's OOM observer, which runs *before* OutOfMemoryError is raised:
-it dumps a memory snapshot (JSON summary for the collector, the pickle for
-pytorch.org/memory_viz) into an ``oom`` bundle.
+On CUDA, optionally records allocator history (bounded ``max_entries``),
+and attaches the allocator's OOM observer, which runs on the allocating
+thread *before* OutOfMemoryError is raised. The observer only notes the
+failure (a few attribute writes): a script that catches the error and goes
+on (a batch-size finder) gets an ``oom_caught`` event and no verdict, and
+pays nothing. When the error ends the rank (uncaught, or the rank exits
+non-zero before another step), the ``oom`` event and a bundle with the
+memory snapshot (JSON summary for the collector, the pickle for
+pytorch.org/memory_viz) are made then, off the allocation path; the
+traceback still holds the tensors that were live at the failure.
+Never run on a GPU here: tested through the device adapter's test double.
 """
-
-from __future__ import annotations
 
 import os
 import time
-import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -65,61 +71,104 @@ def host_memory() -> dict[str, int]:
 class MemoryTracker:
     def __init__(self, agent: "Agent") -> None:
         self.agent = agent
-        self.cuda_ready = False
+        self.device = None  # the device the model's tensors are on (an accelerator)
+        self.adapter = None
         self.observer_attached = False
+        self.pending_oom: Optional[dict[str, Any]] = None  # noted by the observer, judged later
         agent.progress.step_extras.append(self._on_step_end)
+
+    @property
+    def cuda_ready(self) -> bool:  # older name
+        return self.device is not None
 
     @guarded("memory.step")
     def _on_step_end(self, record: StepRecord) -> None:
         record.rss_bytes = rss_bytes()
-        if self.cuda_ready:
-            import torch
-
-            device = torch.cuda.current_device()
-            record.device_allocated_bytes = torch.cuda.memory_allocated(device)
-            record.device_reserved_bytes = torch.cuda.memory_reserved(device)
-            record.device_peak_bytes = torch.cuda.max_memory_allocated(device)
+        if self.device is not None:
+            stats = self.adapter.memory_stats(self.device)  # one read of the allocator's counters
+            if stats is not None:
+                record.device_allocated_bytes, record.device_reserved_bytes, record.device_peak_bytes = stats
+        pending, self.pending_oom = self.pending_oom, None
+        if pending is not None:
+            # The script caught it and went on to finish a step: not a failure of the rank.
+            self.agent.record_event("oom_caught", **{k: v for k, v in pending.items() if k != "at"})
 
     @guarded("memory.cuda")
-    def on_model(self, ddp) -> None:
-        import torch
+    def on_model(self, model) -> None:
+        from . import device as device_mod
 
-        if not (torch.cuda.is_available() and any(p.is_cuda for p in ddp.parameters())):
+        params = model.parameters() if hasattr(model, "parameters") else model
+        device = device_mod.model_device(params)
+        if device is None:
             return
-        self.cuda_ready = True
-        if self.agent.config.memory_history:
+        adapter = device_mod.for_device(device)
+        if not adapter.accelerated():
+            return
+        self.device, self.adapter = device, adapter
+        if self.agent.config.memory_history and adapter.name == "cuda":
+            import torch
+
             torch.cuda.memory._record_memory_history(
                 enabled="all", context="all", stacks="python",
                 max_entries=self.agent.config.memory_history_max_entries)
         if not self.observer_attached:
-            torch._C._cuda_attach_out_of_memory_observer(self._on_device_oom)
-            self.observer_attached = True
+            self.observer_attached = adapter.attach_oom_observer(self._on_device_oom)
 
     def _on_device_oom(self, device: int, alloc: int, device_alloc: int, device_free: int) -> None:
-        """Runs inside the allocator before OutOfMemoryError is raised."""
+        """Runs inside the allocator, on the allocating thread, before
+        OutOfMemoryError is raised: note it, nothing more."""
         try:
-            details = {"device": device, "requested_bytes": alloc, "device_allocated_bytes": device_alloc,
-                       "device_free_bytes": device_free, "kind": "device"}
-            self.agent.record_event("oom", **details)
-            incident = f"oom-r{self.agent.identity.rank}-{uuid.uuid4().hex[:6]}"
-            members = snapshot_members(self.agent.run_dir, self.agent.identity.rank)
-            from . import bundle as bundle_mod
+            self.pending_oom = {"device": int(device), "requested_bytes": int(alloc),
+                                "device_allocated_bytes": int(device_alloc), "device_free_bytes": int(device_free),
+                                "memory": "device", "at": time.time(), "step": self.agent.progress.step}
+        except Exception:
+            pass
 
-            archive = bundle_mod.build(self.agent, "oom", incident, extra_members={**members, "oom.json": details})
-            bundle_mod.deliver(self.agent, archive, incident, timeout=3.0)
-        except Exception as exc:
-            log(f"OOM snapshot failed: {type(exc).__name__}: {exc}")
+    def oom_evidence(self, exc: Optional[BaseException]) -> Optional[tuple[dict[str, Any], dict[str, Any]]]:
+        """The rank is ending with a device OOM (``exc``, or a noted OOM
+        with no step since): (event details, bundle members with the
+        snapshot). Called off the allocation path (the exception handler,
+        shutdown)."""
+        pending = self.pending_oom
+        is_oom = exc is not None and _is_device_oom(exc)
+        if pending is None and not is_oom:
+            return None
+        self.pending_oom = None
+        details = {k: v for k, v in (pending or {"memory": "device"}).items() if k not in ("at", "step")}
+        members: dict[str, Any] = {"oom.json": details}
+        try:
+            members.update(snapshot_members(self.agent.run_dir, self.agent.identity.rank, self.adapter))
+        except Exception as exc2:
+            log(f"OOM snapshot failed: {type(exc2).__name__}: {exc2}")
+        return details, members
 
 
-def snapshot_members(run_dir: Optional[str], rank: int) -> dict[str, Any]:
-    """A CUDA memory snapshot as bundle members (JSON summary + opaque pickle)."""
+def _is_device_oom(exc: BaseException) -> bool:
+    import torch
+
+    kinds = tuple(k for k in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None))
+                  if isinstance(k, type))
+    return bool(kinds) and isinstance(exc, kinds)
+
+
+def snapshot_members(run_dir: Optional[str], rank: int, adapter: Any = None) -> dict[str, Any]:
+    """A device memory snapshot as bundle members (JSON summary + opaque
+    pickle, the pickle on CUDA only)."""
     import torch
 
     from rankwatch.memory_snapshot import summarize, to_jsonable
 
+    from . import device as device_mod
+
     members: dict[str, Any] = {}
-    snapshot = torch.cuda.memory._snapshot()
+    if adapter is None:
+        adapter = device_mod.for_device(torch.device("cuda"))
+    snapshot = adapter.memory_snapshot()
+    if snapshot is None:
+        return members
     members["memory_snapshot.json"] = {"summary": summarize(snapshot), "snapshot": to_jsonable(snapshot)}
+    if adapter.name != "cuda":
+        return members
     members["memory_summary.txt"] = torch.cuda.memory_summary()
     if run_dir:
         path = Path(run_dir) / "memory" / f"rank-{rank:05d}-{int(time.time())}.pickle"

@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
+from . import device
 from .safety import guarded, log_once
 
 if TYPE_CHECKING:
@@ -172,10 +173,12 @@ def without_our_hooks(state: Any) -> Any:
 
 
 def on_host(tensor: torch.Tensor) -> bool:
-    """Its values can be read now without a device sync. Everything else goes
-    through the deferred device read (grad_checks._DeferredRead). Tests swap
-    this for a GPU-like double: the CUDA path was never run on a GPU here."""
-    return tensor.device.type == "cpu"
+    """Its values can be read now without a device sync (the device adapter
+    says it is a host tensor). Everything else goes through the deferred
+    device read (device.DeferredReads). Tests install device.GpuLikeDouble,
+    under which no tensor is on the host: the accelerator path was never run
+    on a GPU here."""
+    return not device.for_tensor(tensor).accelerated()
 
 
 def _compiling() -> bool:

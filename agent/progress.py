@@ -7,6 +7,18 @@ counted by a pre-hook on each DDP module (progress during evaluation too).
 
 Everything here runs on the training thread: plain attribute writes and a
 clock read, no device sync, no collective.
+
+Device values of a step (its loss, the gradient checks' norms, the device
+time of its forward and backward) are read through the device adapter's
+deferred reads (agent/device.py): at once on a CPU, a step or more later on
+a GPU. A step's record is held back until they are in, then sent with them
+(the record's own fields, so the node's relays sample them with the record);
+at most HOLD_STEPS records or HOLD_S seconds, after which it goes without.
+
+`compute_s` is the rank's own time up to the moment it reached the last
+gradient allreduce: data time on the host, plus the *device* time from the
+event recorded at the step's first forward to the one recorded at its last
+gradient bucket (a slow GPU shows there; the host only queued the work).
 """
 
 from __future__ import annotations
@@ -20,7 +32,38 @@ from typing import Any, Callable, Optional
 
 from rankwatch.wire import CollectiveMark, StepRecord
 
+from . import device as device_mod
 from .safety import guarded
+
+HOLD_STEPS = 8  # step records waiting for their device values, at most
+HOLD_S = 10.0  # ... and for at most this long (a stalled device: the record goes without)
+
+
+class _Held:
+    """A step record waiting for device values (``waiting`` reads)."""
+
+    __slots__ = ("record", "waiting", "since")
+
+    def __init__(self, record: StepRecord, since: float) -> None:
+        self.record, self.waiting, self.since = record, 0, since
+
+
+class _LossRead:
+    """The deferred read of one loss tensor: ``value`` once ``done``."""
+
+    __slots__ = ("done", "value", "then")
+
+    def __init__(self) -> None:
+        self.done = False
+        self.value: Optional[float] = None
+        self.then: Optional[Callable[[Optional[float]], None]] = None
+
+    def arrive(self, values: Optional[list[float]]) -> None:
+        self.done = True
+        self.value = values[0] if values else None
+        then, self.then = self.then, None
+        if then is not None:
+            then(self.value)
 
 
 def _weak(obj: Any) -> Callable[[], Any]:
@@ -60,6 +103,7 @@ class Progress:
         self._wait_before_backward_done = 0.0
         self._forwards_in_step = 0
         self._loss: Any = None
+        self._loss_read: Optional[_LossRead] = None
         self._observed_loss: Optional[float] = None
         self._scaled: Optional[tuple[Any, Any]] = None
         self._forward_since_backward = False
@@ -69,10 +113,26 @@ class Progress:
         self.step_extras: list[Callable[[StepRecord], None]] = []
         # Called with the loss at every backward (silent-error checks: micro-batches, modes).
         self.backward_extras: list[Callable[[Any], None]] = []
+        # Told of each record once its device values are in (or given up), before it is sent.
+        self.record_complete: list[Callable[[StepRecord], None]] = []
+        self.optimizer_steps = 0  # every optimizer's steps (GradScaler: did this step() step?)
+        self.compiled_steps = CompiledSteps()
         # pg id -> last enqueued seq, read at marked steps (set by the agent).
         self.read_collective_seqs: Optional[Callable[[], dict[str, int]]] = None
         # Memory-mapped record the supervisor reads if the rank dies silently.
         self.blackbox = None
+        # Deferred device reads of this rank (agent/device.py), and the step
+        # records waiting for theirs.
+        self.reads = device_mod.DeferredReads()
+        self._held: collections.deque[_Held] = collections.deque()
+        self._held_lock = threading.Lock()
+        self._batch: list[tuple[list[Any], Callable[[Optional[list[float]]], None]]] = []
+        # Device time of the step: events at its first forward and its last gradient bucket.
+        self._model_devices: dict[int, Any] = {}
+        self._start_event: Any = None
+        self._end_event: Any = None
+        self._event_adapter: Any = None
+        self.device: Any = None  # the device of the last model seen in a forward
 
     def _record(self) -> None:
         box = self.blackbox
@@ -90,6 +150,8 @@ class Progress:
     # -- hooks (training thread) --------------------------------------------
     @guarded("progress.forward")
     def on_forward(self, module, inputs) -> None:
+        if self.compiled_steps.pending:
+            self._compiled_step_seen()
         now = time.time()
         self.forwards += 1
         self._forwards_in_step += 1
@@ -100,6 +162,7 @@ class Progress:
                 # The first step starts at its first forward, not at process start
                 # (imports, process group and model set-up are not step time).
                 self._step_started_at = now
+            self._start_event = self._device_event(module)
         self.phase = "forward"
         self.phase_since = now
         self.last_progress_at = now
@@ -107,6 +170,8 @@ class Progress:
 
     @guarded("progress.backward")
     def on_backward(self, loss) -> None:
+        if self.compiled_steps.pending:
+            self._compiled_step_seen()
         now = time.time()
         if self._backward_started_at is None:
             self._backward_started_at = now
@@ -118,8 +183,9 @@ class Progress:
         # test episode, an auxiliary network) is not the training loss.
         # Without any DDP model every backward counts.
         if self._forward_since_backward or self.forwards == 0 or self._loss is None:
-            # Keep a reference only; it is read once the step is over (no sync here).
+            # A deferred read (no sync): there at once on a CPU, after the step on a GPU.
             self._loss = loss
+            self._read_loss_later(loss)
         self._forward_since_backward = False
         self.phase = "backward"
         self.phase_since = now
@@ -135,10 +201,63 @@ class Progress:
         except TypeError:
             self._scaled = None
 
-    def on_backward_done(self, at: float) -> None:
+    def on_backward_done(self, at: float, tensor: Any = None) -> None:
         """Called when this rank's local backward reached the last gradient
-        allreduce: from here on it waits for its peers."""
+        allreduce: from here on it waits for its peers. ``tensor`` (the last
+        bucket's gradients) says on which device to mark the moment."""
         self._backward_done_at = at
+        if tensor is not None and self._start_event is not None:
+            self._end_event = self._event_on(device_mod.device_of(tensor))
+
+    def _device_event(self, module: Any) -> Any:
+        """A timing event on the current stream of the module's device (the
+        device its parameters are on, not the current device)."""
+        key = id(module)
+        device = self._model_devices.get(key)
+        if device is None:
+            if len(self._model_devices) > 64:
+                self._model_devices.clear()
+            device = self._model_devices[key] = device_mod.model_device(module.parameters()) or "none"
+        if device == "none":
+            return None
+        self.device = device
+        return self._event_on(device)
+
+    def _event_on(self, device: Any) -> Any:
+        adapter = device_mod.for_device(device)
+        if adapter.capturing(device):
+            return None  # inside a graph capture nothing is recorded
+        self._event_adapter = adapter
+        return adapter.event(device, timing=True)
+
+    def current_loss(self) -> Optional[float]:
+        """This step's loss if its deferred read is already in (at once on a
+        CPU; on a GPU usually only after the step), else None."""
+        read = self._loss_read
+        return read.value if read is not None and read.done else None
+
+    def _read_loss_later(self, loss: Any) -> None:
+        try:
+            if loss.numel() != 1:
+                return
+        except Exception:
+            return
+        read = _LossRead()
+        self._loss_read = read
+        self.reads.submit([loss.detach()], read.arrive)
+
+    def observe_loss_tensor(self, loss: Any) -> None:
+        """rw.observe(loss=tensor): the step's loss, read without a sync."""
+        self._observed_loss = None
+        self._loss = loss
+        self._read_loss_later(loss)
+
+    def defer(self, tensors: list[Any], consume: Callable[[Optional[list[float]]], None]) -> None:
+        """From a step-end extra: read ``tensors`` (scalars and vectors, as
+        one flat list) with this step's other device values; ``consume``
+        gets the floats (None if they could not be read), after which the
+        step's record goes out."""
+        self._batch.append((tensors, consume))
 
     def observe_loss(self, value: float) -> None:
         self._observed_loss = value
@@ -160,6 +279,7 @@ class Progress:
         # optimizer that steps twice while the lead did not takes the lead: the
         # old one was replaced (a re-created optimizer, a new training phase) or
         # steps less often than it.
+        self.optimizer_steps += 1
         key = id(optimizer)
         lead = self._lead() if self._lead is not None else None
         if lead is None or key == id(lead):
@@ -188,7 +308,18 @@ class Progress:
         if self._backward_done_at is None:
             self._wait_before_backward_done += waited
 
+    def _compiled_step_seen(self) -> None:
+        """An optimizer step ran inside a torch.compile'd region (see
+        CompiledSteps): it ends the step now."""
+        self.compiled_steps.pending = False
+        self.optimizer_steps += 1
+        self._end_step(time.time())
+
     def _end_step(self, now: float) -> None:
+        if device_mod.capturing(self.device):
+            self._end_step_in_capture(now)
+            return
+        self.reads.poll()  # earlier steps' device values that are in by now
         started = self._step_started_at
         first_fwd = self._first_forward_at
         record = StepRecord(
@@ -197,20 +328,43 @@ class Progress:
             ended_at=now,
             forwards=self._forwards_in_step,
         )
+        held = _Held(record, now)
+        held.waiting = 1  # this function's own share, released at its end
+        wait_in_compute = 0.0
         if first_fwd is not None:
             record.data_s = max(0.0, first_fwd - started - self._wait_before_forward)
             if self._backward_done_at is not None and self._backward_done_at >= first_fwd:
-                record.compute_s = max(0.0, self._backward_done_at - started - self._wait_before_backward_done)
-        record.loss = self._read_loss()
-        if record.loss is not None and math.isfinite(record.loss):
-            self.loss_history.append(abs(record.loss))
-            if len(self.loss_history) >= 5 and self.step % 5 == 0:
-                ordered = sorted(self.loss_history)
-                self.typical_loss = ordered[len(ordered) // 2]
+                wait_in_compute = max(0.0, self._wait_before_backward_done - self._wait_before_forward)
+                start, end = self._start_event, self._end_event
+                if start is not None and end is not None:
+                    data_s = record.data_s
+                    held.waiting += 1
+
+                    def device_time(seconds: Optional[float], record=record, held=held, data_s=data_s,
+                                    waited=wait_in_compute) -> None:
+                        if seconds is not None:
+                            record.compute_s = max(0.0, data_s + seconds - waited)
+                        self._filled(held)
+
+                    self.reads.submit_elapsed(self._event_adapter, start, end, device_time)
+                else:  # no device events (a capture): host time
+                    record.compute_s = max(0.0, self._backward_done_at - started - self._wait_before_backward_done)
+        self._take_loss(record, held)
         for extra in self.step_extras:
             extra(record)
+        batch, self._batch = self._batch, []
+        if batch:
+            held.waiting += 1
+            tensors = [t for part, _ in batch for t in part]
+            done = lambda values, held=held, batch=batch: self._dispatch(held, batch, values)  # noqa: E731
+            if tensors:
+                self.reads.submit(tensors, done)
+            else:
+                done([])
         self.recent.append(record)
-        self.unsent.append(record)
+        with self._held_lock:
+            self._held.append(held)
+        self._filled(held)
         if self.mark_every and self.read_collective_seqs is not None and self.step % self.mark_every == 0:
             seqs = self.read_collective_seqs()
             if seqs:
@@ -222,10 +376,12 @@ class Progress:
         self._first_forward_at = None
         self._backward_started_at = None
         self._backward_done_at = None
+        self._start_event = self._end_event = None
         self._wait_before_forward = self._wait_before_backward_done = 0.0
         self._training_thread = threading.get_ident()  # the thread that steps the optimizer
         self._forwards_in_step = 0
         self._loss = None
+        self._loss_read = None
         self._observed_loss = None
         self._scaled = None
         self.phase = "data"
@@ -235,21 +391,127 @@ class Progress:
             self.blackbox.leave_collective()  # a failed call the script caught is over
         self._record()
 
-    def _read_loss(self) -> Optional[float]:
+    def _end_step_in_capture(self, now: float) -> None:
+        """The step ends while a CUDA graph is being captured (a whole-step
+        graph): nothing may record, query or copy now, so the record goes
+        with host times only and the step's extras are skipped. (A replayed
+        graph runs no Python: its steps are not seen at all.)"""
+        record = StepRecord(step=self.step, started_at=self._step_started_at, ended_at=now,
+                            forwards=self._forwards_in_step)
+        self._batch = []
+        self.recent.append(record)
+        with self._held_lock:
+            held = _Held(record, now)
+            self._held.append(held)
+            released = self._release()
+        self._complete(released)
+        self.step += 1
+        self._step_started_at = now
+        self._first_forward_at = self._backward_started_at = self._backward_done_at = None
+        self._start_event = self._end_event = None
+        self._wait_before_forward = self._wait_before_backward_done = 0.0
+        self._forwards_in_step = 0
+        self._loss = self._loss_read = self._observed_loss = self._scaled = None
+        self.phase, self.phase_since, self.last_progress_at = "data", now, now
+        self._record()
+
+    def _take_loss(self, record: StepRecord, held: _Held) -> None:
+        """The step's loss: the observed float, or the deferred read of the
+        loss tensor (there now on a CPU; filled in when it comes on a GPU)."""
         if self._observed_loss is not None:
-            return self._observed_loss
-        loss = self._loss
-        if loss is None:
-            return None
+            self._note_loss(record, self._observed_loss)
+            return
+        read = self._loss_read
+        if read is None:
+            return
+        if read.done:
+            self._note_loss(record, read.value)
+            return
+        held.waiting += 1
+
+        def arrived(value: Optional[float], record=record, held=held) -> None:
+            self._note_loss(record, value)
+            self._filled(held)
+
+        read.then = arrived
+
+    def _note_loss(self, record: StepRecord, value: Optional[float]) -> None:
+        if value is None or record.loss is not None:
+            return
+        record.loss = value  # NaN/Inf kept: they are the signal
+        if math.isfinite(value):
+            self.loss_history.append(abs(value))
+            if len(self.loss_history) >= 5 and record.step % 5 == 0:
+                ordered = sorted(self.loss_history)
+                self.typical_loss = ordered[len(ordered) // 2]
+
+    def _dispatch(self, held: _Held, batch: list, values: Optional[list[float]]) -> None:
+        at = 0
+        for tensors, consume in batch:
+            if values is None:
+                part = None
+            else:
+                size = sum(int(t.numel()) for t in tensors)
+                part, at = values[at: at + size], at + size
+            try:
+                consume(part)
+            except Exception as exc:  # one consumer's failure never holds the record
+                from .safety import log_once
+
+                log_once(f"deferred.{getattr(consume, '__qualname__', 'consume')}",
+                         f"a deferred read consumer failed: {type(exc).__name__}: {exc}")
+        self._filled(held)
+
+    def _filled(self, held: _Held) -> None:
+        """One of a held record's reads is in: send every record at the head
+        of the queue that has all of its values (in step order)."""
+        with self._held_lock:
+            held.waiting -= 1
+            released = self._release(force=len(self._held) > HOLD_STEPS)
+        self._complete(released)
+
+    def _release(self, force: bool = False, older_than: Optional[float] = None) -> list[StepRecord]:
+        released = []
+        while self._held:
+            head = self._held[0]
+            if head.waiting > 0 and not force and (older_than is None or head.since > older_than):
+                break
+            self._held.popleft()
+            released.append(head.record)
+            force = len(self._held) > HOLD_STEPS
+        return released
+
+    def _complete(self, records: list[StepRecord]) -> None:
+        for record in records:
+            for hook in self.record_complete:
+                hook(record)
+            self.unsent.append(record)
+
+    def release_stale(self, now: float) -> None:
+        """Heartbeat thread: records held longer than HOLD_S go without their
+        values (a stalled device; this thread never touches the device)."""
+        with self._held_lock:
+            released = self._release(older_than=now - HOLD_S)
+        self._complete(released)
+
+    def finish(self, grace_s: float = 1.0) -> None:
+        """At exit (the training is over): the last steps' device values get
+        ``grace_s`` to come in (a GPU's queue drains in milliseconds); what
+        has not come by then is not waited for."""
+        if self.compiled_steps.pending:
+            self._compiled_step_seen()
+        deadline = time.monotonic() + grace_s
         try:
-            if loss.numel() != 1 or loss.device.type != "cpu":
-                # On an accelerator, reading the value would sync the device:
-                # the gradient checker reads it a step later from a pinned copy.
-                return None
-            value = float(loss.detach())
+            while self.reads.pending and time.monotonic() < deadline:
+                self.reads.poll()
+                if self.reads.pending:
+                    time.sleep(0.01)
         except Exception:
-            return None
-        return value if math.isfinite(value) else value  # keep NaN/Inf: they are the signal
+            pass
+        self.reads.give_up()
+        with self._held_lock:
+            released = self._release(older_than=float("inf"))
+        self._complete(released)
 
     # -- heartbeat thread ------------------------------------------------------
     def take_unsent(self, limit: int = 0) -> tuple[list[StepRecord], list[CollectiveMark], int]:
@@ -261,6 +523,7 @@ class Progress:
         coarser choice is a subset of a finer one), so the collector still
         compares ranks at the same steps.
         """
+        self.release_stale(time.time())
         steps, marks = [], []
         while self.unsent:
             steps.append(self.unsent.popleft())
@@ -284,6 +547,21 @@ class Progress:
         for mark in reversed(marks):
             if len(self.unsent_marks) < (self.unsent_marks.maxlen or 0):
                 self.unsent_marks.appendleft(mark)
+
+
+# -- torch.compile -------------------------------------------------------------------
+
+
+class CompiledSteps:
+    """Optimizer steps that ran inside a ``torch.compile``'d region. Dynamo
+    traces the optimizer hooks there; the post-hook then only sets
+    ``pending`` (a store Dynamo replays after the compiled code, with no
+    guard on the value and no graph break, so ``fullgraph=True`` keeps
+    working), and the next forward or backward ends the step eagerly. Such a
+    step's end is dated when it is seen (before the next step's data time,
+    which then counts as the finished step's)."""
+
+    pending = False
 
 
 def _thin(items: list, key: Callable[[Any], int], limit: int) -> list:

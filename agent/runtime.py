@@ -9,6 +9,7 @@ optimizer hooks, and starts the heartbeat thread.
 
 from __future__ import annotations
 
+import collections
 import faulthandler
 import functools
 import json
@@ -35,6 +36,9 @@ from .stacks import format_exception
 from .transport import CollectorUnreachable, Transport
 
 FAULTHANDLER_SIGNAL = signal.SIGUSR2
+EVENT_LOG_SIZE = 1024  # the agent's event log is a window (bundles carry it): the newest events ...
+FIRST_EVENT_KINDS = 64  # ... and the first event of each kind
+UNSENT_EVENTS_MAX = 4096  # events kept for the collector while it cannot be reached
 
 _current: Optional["Agent"] = None
 
@@ -87,7 +91,8 @@ class Agent:
         self.progress = Progress(window=config.metrics_window, mark_every=config.collective_mark_every)
         self.collectives = CollectiveTracker()
         self.transport = Transport(collector_url, token=config.token)
-        self.events_log: list[wire.Event] = []
+        self.events_log: collections.deque[wire.Event] = collections.deque(maxlen=EVENT_LOG_SIZE)
+        self.first_events: dict[str, wire.Event] = {}
         self._unsent_events: list[wire.Event] = []
         self._unsent_fingerprints: list[dict[str, Any]] = []
         self._heartbeat_seq = 0
@@ -192,14 +197,34 @@ class Agent:
 
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-        self._hook_handles.append(register_optimizer_step_pre_hook(self.progress.on_optimizer_pre))
-        self._hook_handles.append(register_optimizer_step_post_hook(self.progress.on_optimizer_post))
+        progress = self.progress
+        compiled = progress.compiled_steps
+        is_compiling = torch.compiler.is_compiling
+
+        # Dynamo traces these hooks when optimizer.step is compiled. The
+        # first thing they ask is whether it is tracing; then the post-hook
+        # only marks the step (a store Dynamo replays after the compiled
+        # code: no graph break, fullgraph=True works, see CompiledSteps) and
+        # nothing of the recording is traced.
+        def optimizer_pre_hook(optimizer, args, kwargs):
+            if is_compiling():
+                return None
+            progress.on_optimizer_pre(optimizer, args, kwargs)
+            return None
+
+        def optimizer_post_hook(optimizer, args, kwargs):
+            if is_compiling():
+                compiled.pending = True
+                return None
+            progress.on_optimizer_post(optimizer, args, kwargs)
+            return None
+
+        self._hook_handles.append(register_optimizer_step_pre_hook(optimizer_pre_hook))
+        self._hook_handles.append(register_optimizer_step_post_hook(optimizer_post_hook))
 
         if dist.is_available():
             self.collectives.install(self.patches)
             self._wrap_init_process_group()
-
-        progress = self.progress
 
         # Every wrapper takes (*args, **kwargs) and passes them on untouched, so
         # it accepts exactly the calls its original accepts (see patching.py).
@@ -358,11 +383,24 @@ class Agent:
     def record_event(self, kind: str, step: Optional[int] = None, **details: Any) -> wire.Event:
         # Redacted before it leaves the process (exception texts may echo secrets: rankwatch.redact).
         event = wire.Event(kind=kind, at=time.time(), step=self.progress.step if step is None else step,
-                           details=details if kind == "step_values" else redact_obj(details))
+                           details=redact_obj(details))
         with self._lock:
             self.events_log.append(event)
+            if kind not in self.first_events and len(self.first_events) < FIRST_EVENT_KINDS:
+                self.first_events[kind] = event
             self._unsent_events.append(event)
+            if len(self._unsent_events) > UNSENT_EVENTS_MAX:
+                del self._unsent_events[UNSENT_EVENTS_MAX // 4: len(self._unsent_events) - UNSENT_EVENTS_MAX * 3 // 4]
         return event
+
+    def recent_events(self) -> list[wire.Event]:
+        """The event window, preceded by the first event of each kind that
+        has left it (what a bundle carries)."""
+        with self._lock:
+            window = list(self.events_log)
+            kept = {id(e) for e in window}
+            first = sorted((e for e in self.first_events.values() if id(e) not in kept), key=lambda e: e.at)
+        return first + window
 
     def add_fingerprint(self, fingerprint: dict[str, Any]) -> None:
         with self._lock:
@@ -383,9 +421,14 @@ class Agent:
             self.record_event("exception", type=info["type"], message=info["message"],
                               traceback=info["traceback"][-8000:], phase=self.progress.phase, **details)
             self._write_torchelastic_error_file(exc)
-            incident = f"crash-r{self.identity.rank}-{uuid.uuid4().hex[:8]}"
+            oom = self.memory.oom_evidence(exc) if self.memory is not None else None
+            reason, members = "crash", None
+            if oom is not None:  # a device OOM ends this rank: `oom`, with the snapshot
+                self.record_event("oom", **oom[0])
+                reason, members = "oom", oom[1]
+            incident = f"{reason}-r{self.identity.rank}-{uuid.uuid4().hex[:8]}"
             self.send_heartbeat(final=False)
-            archive = bundle_mod.build(self, "crash", incident, exception=info)
+            archive = bundle_mod.build(self, reason, incident, exception=info, extra_members=members)
             bundle_mod.deliver(self, archive, incident, timeout=3.0)
         except Exception as inner:
             log(f"could not record the exception: {type(inner).__name__}: {inner}")
@@ -423,6 +466,11 @@ class Agent:
         atexit.register(lambda: _current is self and self.shutdown(1 if failed else None))
 
     def shutdown(self, exit_code: Optional[int]) -> None:
+        try:
+            self.progress.finish()  # the last steps' records go out, with what was read of them
+        except Exception:
+            pass
+        self._oom_at_exit(exit_code)
         for ext in self.extensions:
             flush = getattr(ext, "flush", None)
             if flush is not None:
@@ -437,6 +485,22 @@ class Agent:
             self.send_heartbeat(final=True)
         except Exception:
             pass
+
+    def _oom_at_exit(self, exit_code: Optional[int]) -> None:
+        """A device OOM the script caught, then exited non-zero with no step
+        since: the OOM ended the rank."""
+        if self.memory is None or self.memory.pending_oom is None or not exit_code:
+            return
+        try:
+            oom = self.memory.oom_evidence(None)
+            if oom is None:
+                return
+            self.record_event("oom", **oom[0])
+            incident = f"oom-r{self.identity.rank}-{uuid.uuid4().hex[:8]}"
+            archive = bundle_mod.build(self, "oom", incident, extra_members=oom[1])
+            bundle_mod.deliver(self, archive, incident, timeout=3.0)
+        except Exception as exc:
+            log(f"could not record the OOM: {type(exc).__name__}: {exc}")
 
     # -- heartbeat -----------------------------------------------------------------
     # A beat carries what changed since the last acknowledged one: new step
@@ -453,6 +517,12 @@ class Agent:
 
     def _heartbeat_loop(self) -> None:
         interval = self.config.heartbeat_interval
+        # The first beat goes at once: a rank that freezes early (holding the
+        # GIL) has then beaten, and its silence is seen as such.
+        try:
+            self.send_heartbeat()
+        except Exception as exc:
+            log(f"heartbeat error: {type(exc).__name__}: {exc}")
         while not self._stop.wait(interval):
             try:
                 self.send_heartbeat()

@@ -41,7 +41,7 @@ import torch
 
 from rankwatch.wire import StepRecord
 
-from .grad_checks import _DeferredRead
+from .device import DeferredReads
 from . import models as models_mod
 from .models import Forward, TrainedModels, unwrap, user_site
 from .patching import argument
@@ -102,7 +102,7 @@ class TrainConfig:
         self.sent: dict[str, str] = {}
         self.sites: dict[str, str] = {}
         self.user: dict[str, str] = {}
-        self.reader = _DeferredRead()
+        self.reader = DeferredReads()
         self._stepped: list[Any] = []  # optimizers that stepped, build order kept
         self._stepped_ids: set[int] = set()
         # Modes: train()/eval() calls since the last summary, and the summary.
@@ -287,7 +287,7 @@ class TrainConfig:
             self._scale = (step, float(scale.reshape(-1)[0]))
             return
 
-        def consume(values: list[float], step=step) -> None:
+        def consume(values: Optional[list[float]], step=step) -> None:
             if values:
                 self._scale = (step, values[0])
                 self._deferred.append((step, "loss_scale", _short(values[0])))

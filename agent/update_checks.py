@@ -37,7 +37,8 @@ import torch
 
 from rankwatch.wire import StepRecord
 
-from .grad_checks import _DeferredRead, fp32_norms
+from .device import DeferredReads
+from .grad_checks import fp32_norms
 from . import models as models_mod
 from .models import Forward, TrainedModels
 from .safety import guarded
@@ -75,7 +76,7 @@ class UpdateChecks:
     def __init__(self, agent: "Agent", models: TrainedModels) -> None:
         self.agent = agent
         self.models = models
-        self.reader = _DeferredRead()
+        self.reader = DeferredReads()
         self.reported: set[str] = set()
         self._checked_version = -1
         self._recheck_until = -1
@@ -176,7 +177,9 @@ class UpdateChecks:
         n = len(names)
         key = id(optimizer)
 
-        def consume(values: list[float], step=step, names=names, n=n, key=key) -> None:
+        def consume(values: Optional[list[float]], step=step, names=names, n=n, key=key) -> None:
+            if values is None:
+                return  # given up (a capture, or the device fell far behind): this step says nothing
             grads, changed = values[:n], values[n:2 * n]
             still = frozenset(name for name, g, c in zip(names, grads, changed) if g > 0 and c == 0)
             self._note_unchanged(key, step, still)
@@ -260,8 +263,11 @@ class UpdateChecks:
             watch[slot] = values.tolist()
             return
 
-        def consume(read: list[float], watch=watch, slot=slot) -> None:
-            watch[slot] = read
+        def consume(read: Optional[list[float]], watch=watch, slot=slot) -> None:
+            if read is None:
+                watch["cleared"] = True  # never read back: unknowable, so not called stale
+            else:
+                watch[slot] = read
 
         self.reader.submit([values], consume)
 

@@ -8,7 +8,9 @@ for one incident:
     stacks.json            every thread's Python stack
     exception.json         the uncaught exception, if any
     collectives.json       Python-API collective call sites, pg_status
-    flight_recorder.json   torch Flight Recorder dump (JSON)
+    flight_recorder.json   torch Flight Recorder dump (JSON; NCCL's and gloo's recorders merged)
+    fr_timeout_dump.pickle the dump torch's NCCL watchdog wrote on a collective timeout
+                           (opaque, for torch's fr_trace; never unpickled; .json if torch wrote JSON)
     metrics.json           recent per-step records and collective marks
     env.json               environment, secrets redacted
     memory.json            host RSS, device memory stats and summary
@@ -568,6 +570,7 @@ SCHEMAS: dict[str, Schema] = {
                         events=opt(lst(wire_record(wire.Event)))),
     "collectives.json": obj(python_calls=opt(lst(_PY_CALL)), pg_status=opt(_PG_STATUS)),
     "flight_recorder.json": obj(entries=opt(lst(_FR_ENTRY)), pg_status=opt(_PG_STATUS)),
+    "fr_timeout_dump.json": obj(entries=opt(lst(_FR_ENTRY)), pg_status=opt(_PG_STATUS)),
     "memory.json": obj(rss_bytes=opt(INT), host_available_bytes=opt(INT),
                        cuda=opt(obj(device=opt(INT), allocated_bytes=opt(INT), reserved_bytes=opt(INT),
                                     peak_allocated_bytes=opt(INT), summary=opt(STR)))),

@@ -235,45 +235,23 @@ def test_parameters_their_optimizer_never_changes(agent):
     assert event.details["parameters"] == ["Net.head.bias", "Net.head.weight"]
 
 
-class LateRead:
-    """A GPU-like double of the deferred device read: the values of a
-    submission come back at the second poll after it (a step late)."""
-
-    def __init__(self) -> None:
-        self.pending: list = []
-
-    def submit(self, values, consume) -> None:
-        if not values:
-            return
-        flat = torch.cat([v.detach().float().reshape(-1) for v in values]).tolist()
-        self.pending.append([2, flat, consume])
-
-    def poll(self) -> None:
-        still = []
-        for item in self.pending:
-            item[0] -= 1
-            if item[0] <= 0:
-                item[2](item[1])
-            else:
-                still.append(item)
-        self.pending = still
-
-
 @pytest.fixture
 def device_agent(monkeypatch):
-    """The agent as on a GPU: nothing is read on the host, every value comes late."""
-    from rankwatch.agent import batch_fingerprints, models, train_config, update_checks
+    """The agent as on a GPU (the device adapter's GPU-like test double):
+    nothing is read on the host, every value comes back a few events late."""
+    from rankwatch.agent import device
 
-    monkeypatch.setattr(models, "on_host", lambda tensor: False)
-    for module in (batch_fingerprints, train_config, update_checks):
-        monkeypatch.setattr(module, "_DeferredRead", LateRead)
+    device.install(device.GpuLikeDouble(lag=2, latency_s=60.0))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
     agent = Agent(config_mod.Config(), wire.RankIdentity(run_id="t", rank=0, local_rank=0, world_size=1), None)
     agent.install()
     dist.init_process_group("gloo")
-    yield agent
-    agent.uninstall()
-    dist.destroy_process_group()
+    try:
+        yield agent
+    finally:
+        agent.uninstall()
+        device.install(None)
+        dist.destroy_process_group()
 
 
 def test_device_path_reports_late_with_the_right_steps(device_agent):
@@ -287,9 +265,11 @@ def test_device_path_reports_late_with_the_right_steps(device_agent):
         scaler.scale(model(x).sum()).backward()  # no zero_grad: gradients never cleared
         scaler.step(opt)
         scaler.update()
-    assert all(r.batch_fp is None for r in agent.progress.recent)  # nothing read on the training thread
-    late = {e.step: e.details["batch_fp"] for e in _events(agent, "step_values") if "batch_fp" in e.details}
-    assert set(late) >= {0, 1, 2, 3} and late[1] == late[2] != late[3]
+    records = {r.step: r for r in agent.progress.recent}
+    assert records[5].batch_fp is None  # the last step's values are not back: nothing was read at once
+    late = {step: r.batch_fp for step, r in records.items() if r.batch_fp is not None}
+    assert set(late) >= {0, 1, 2, 3} and late[1] == late[2] != late[3]  # filled into the held step rows
+    assert not _events(agent, "step_values")  # never an event per step
     checks = {e.details["check"]: e.step for e in _events(agent, "broken_update")}
     assert checks == {"grads_not_cleared": 1}
     scale = [(e.step, dict(e.details["facts"]).get("loss_scale")) for e in _events(agent, "train_config")

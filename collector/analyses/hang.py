@@ -15,7 +15,10 @@ last heartbeat) and its main-thread stack:
 3. per process group, ranks whose last enqueued collective is behind the
    others' never reached the collective the others wait in;
 4. otherwise, stack outliers: ranks whose main thread is not parked in a
-   collective while the majority is.
+   collective while the majority is. A rank counts as waiting too when a
+   collective of its is in flight (enqueued, not completed): on NCCL a
+   collective returns once queued, so a waiting rank sits in `loss.item()`,
+   a GradScaler read or `work.wait()`, not inside torch.distributed.
 
 A rank that leaves the loop and exits cleanly while its peers are inside a
 collective with it is found without an incident too (`left_the_loop`): gloo
@@ -152,7 +155,7 @@ def _diagnose(run: RunState, incident: Incident, evidence: dict[int, RankEvidenc
         else:
             culprits, reason = _behind_in_collectives(seqs, live, details)
     if not culprits:
-        culprits, reason = _stack_outliers(live, evidence)
+        culprits, reason = _stack_outliers(live, evidence, {r: _in_flight(run, r, evidence.get(r)) for r in live})
     if not culprits:
         culprits = live or ranks
         if len(culprits) == 1:
@@ -297,8 +300,26 @@ def _behind_in_collectives(seqs: dict[int, Optional[dict[str, int]]], live: list
     return sorted(behind), f"never reached collective #{seq} of process group {pg}"
 
 
-def _stack_outliers(live: list[int], evidence: dict[int, RankEvidence]) -> tuple[list[int], str]:
-    waiting = {r: waits_in_collective(evidence[r].main_stack) for r in live if r in evidence and evidence[r].main_stack}
+def _in_flight(run: RunState, rank: int, ev: Optional[RankEvidence]) -> bool:
+    """A collective of this rank was enqueued and has not completed (the
+    completion counter is known: >= 0)."""
+    if ev is not None and ev.pg_enqueued:
+        enqueued, completed = ev.pg_enqueued, ev.pg_completed
+    else:
+        state = run.ranks[rank]
+        enqueued, completed = state.enqueued, state.completed
+    for pg, seq in list(enqueued.items()):
+        done = completed.get(pg, -1)
+        if done >= 0 and seq > done:
+            return True
+    return False
+
+
+def _stack_outliers(live: list[int], evidence: dict[int, RankEvidence],
+                    in_flight: Optional[dict[int, bool]] = None) -> tuple[list[int], str]:
+    in_flight = in_flight or {}
+    waiting = {r: waits_in_collective(evidence[r].main_stack) or in_flight.get(r, False)
+               for r in live if r in evidence and evidence[r].main_stack}
     if len(waiting) < 2:
         return [], ""
     not_waiting = [r for r, w in waiting.items() if not w]

@@ -89,29 +89,14 @@ def _safe(text: str) -> str:
 
 
 def worker_environment(run_dir: Path) -> dict[str, str]:
-    """torch settings for evidence, set only where the user has not set them."""
-    fr_dir = run_dir / "flight_recorder"
-    wanted = {
-        # 3 = kill the process on a collective error without aborting the
-        # communicator: keeps Flight Recorder dumps (1 suppresses them).
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
-        "TORCH_FR_BUFFER_SIZE": "2000",
-        "TORCH_FR_DUMP_TEMP_FILE": str(fr_dir / "rank_"),
-        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-        "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": str(fr_dir / "pipe_"),
-        "TORCH_NCCL_ENABLE_MONITORING": "1",
-    }
-    aliases = {
-        "TORCH_FR_BUFFER_SIZE": "TORCH_NCCL_TRACE_BUFFER_SIZE",
-        "TORCH_FR_DUMP_TEMP_FILE": "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
-    }
-    out = {}
-    for key, value in wanted.items():
-        if key in os.environ or aliases.get(key, "") in os.environ:
-            continue
-        out[key] = value
+    """torch settings for evidence, set only where the user has not set them
+    (both the old TORCH_NCCL_* and the new TORCH_FR_* names: see
+    rankwatch.agent.collectives.fr_environment)."""
+    from rankwatch.agent.collectives import FR_DIR, fr_environment
+
+    out = fr_environment(run_dir)
     try:
-        fr_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / FR_DIR).mkdir(parents=True, exist_ok=True)
     except OSError:
         pass  # torch then writes no dump there; the job runs the same
     return out

@@ -1,0 +1,453 @@
+"""The one device adapter: everything rankwatch does with an accelerator goes
+through here, so the code above it runs the same way on every device.
+
+What the agent needs from a device is small: an event on the stream that
+runs a tensor's work (to time device work and to know when a copy is done), a
+non-blocking copy of a few floats into pinned host memory, the time between
+two events, the allocator's counters (read once per step), whether the
+current stream is being captured into a graph, and the allocator's OOM
+observer. Host reads of device values are *deferred on every device*
+(`DeferredReads`): a value is read on the host only once its copy's event
+has completed, a step or more later on a GPU, at once on a CPU. Nothing here
+blocks the host or synchronises the device.
+
+Three implementations:
+
+- `HostDevice` (CPU tensors): work is synchronous, so events complete when
+  recorded and time between them is host time.
+- `AcceleratorDevice` (CUDA/ROCm, XPU, and any device torch exposes through
+  its device-generic APIs): prefers `torch.accelerator.current_stream` and
+  `torch.Event` (torch >= 2.6) and falls back to the device module
+  (`torch.get_device_module(type)`, torch >= 2.3; `torch.cuda`) on older
+  releases. Every call names the device of the tensors actually used (a
+  script that never calls `torch.cuda.set_device` has GPU 0 as its current
+  device while its tensors live on GPU k: an event recorded on GPU 0's
+  stream would not order a copy made on GPU k, and would create a context on
+  GPU 0). **No GPU run of this class has been made**: it was written against
+  torch's sources (2.4-2.13) and is exercised on CPU through `GpuLikeDouble`,
+  which behaves the way these calls do on a GPU.
+- `GpuLikeDouble`: a test double that makes CPU tensors behave as device
+  tensors of one rank: events complete only after later work was issued (or
+  after a latency), copies become readable only when their event completes,
+  a current device (0 unless set) distinct from the device the tensors live
+  on, per-device memory counters, a slower device for straggler tests, graph
+  capture (during which any event, query or pinned copy is a violation, as
+  it would invalidate a CUDA graph), and an OOM it can raise through the
+  observer. Tests install it (`install(GpuLikeDouble(...))`) so CPU tests run
+  the logic that CUDA runs.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+Consume = Callable[[Optional[list[float]]], None]
+
+
+class HostDevice:
+    """CPU tensors: synchronous work; an event is a host timestamp."""
+
+    name = "cpu"
+
+    def device_of(self, tensor: torch.Tensor) -> torch.device:
+        return tensor.device
+
+    def accelerated(self) -> bool:
+        return False
+
+    def event(self, device: torch.device, timing: bool = False) -> Any:
+        return time.perf_counter()
+
+    def to_host(self, tensor: torch.Tensor) -> Optional[tuple[Any, Any]]:
+        # The tensor is a fresh result (a concatenation of norms): no copy needed.
+        return tensor, None
+
+    def ready(self, handle: Any) -> bool:
+        return True
+
+    def host_values(self, host: Any) -> list[float]:
+        return host.tolist()
+
+    def elapsed_s(self, start: Any, end: Any) -> Optional[float]:
+        return max(0.0, end - start)
+
+    def memory_stats(self, device: torch.device) -> Optional[tuple[int, int, int]]:
+        return None
+
+    def capturing(self, device: Optional[torch.device] = None) -> bool:
+        return False
+
+    def attach_oom_observer(self, observer: Callable[..., None]) -> bool:
+        return False
+
+    def memory_snapshot(self) -> Optional[dict[str, Any]]:
+        return None
+
+
+class AcceleratorDevice:
+    """CUDA/ROCm, XPU...: torch's device-generic calls where the installed
+    torch has them. Never run on a GPU here (see the module docstring)."""
+
+    def __init__(self, device_type: str) -> None:
+        self.name = device_type
+        get = getattr(torch, "get_device_module", None)  # torch >= 2.3
+        self.module = get(device_type) if get is not None else getattr(torch, device_type)
+        accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
+        self._generic = (accelerator is not None and hasattr(accelerator, "current_stream")
+                         and hasattr(torch, "Event"))
+
+    def device_of(self, tensor: torch.Tensor) -> torch.device:
+        return tensor.device
+
+    def accelerated(self) -> bool:
+        return True
+
+    def _stream(self, device: torch.device):
+        # The current stream *of that device* (not of the current device).
+        if self._generic:
+            return torch.accelerator.current_stream(device)
+        return self.module.current_stream(device)
+
+    def event(self, device: torch.device, timing: bool = False) -> Any:
+        stream = self._stream(device)
+        if self._generic:
+            ev = torch.Event(device, enable_timing=timing)
+        else:
+            ev = self.module.Event(enable_timing=timing)
+        ev.record(stream)
+        return ev
+
+    def to_host(self, tensor: torch.Tensor) -> Optional[tuple[Any, Any]]:
+        # Pinned host memory: the copy is asynchronous on the tensor's own
+        # device's current stream, and the event recorded right after it on
+        # that same stream says when the bytes are there. (The caching host
+        # allocator takes the primary context of a device that has one, so
+        # no context is created on GPU 0 either.)
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        return host, self.event(tensor.device)
+
+    def ready(self, handle: Any) -> bool:
+        return handle is None or bool(handle.query())
+
+    def host_values(self, host: Any) -> list[float]:
+        return host.tolist()
+
+    def elapsed_s(self, start: Any, end: Any) -> Optional[float]:
+        try:
+            return max(0.0, float(start.elapsed_time(end)) / 1000.0)
+        except Exception:  # an event recorded without timing, or on another device
+            return None
+
+    def memory_stats(self, device: torch.device) -> Optional[tuple[int, int, int]]:
+        """(allocated, reserved, peak allocated) bytes from one read of the
+        allocator's statistics (memory_allocated / memory_reserved /
+        max_memory_allocated each rebuild the whole dict)."""
+        accelerator = getattr(torch, "accelerator", None)
+        stats_of = getattr(getattr(accelerator, "memory", None), "memory_stats", None)  # torch >= 2.9
+        if stats_of is not None and _accelerator_type() == device.type:
+            stats = stats_of(device.index)
+        else:
+            stats_of = getattr(self.module, "memory_stats", None)
+            if stats_of is None:
+                return None
+            stats = stats_of(device)
+        return (int(stats.get("allocated_bytes.all.current", 0)), int(stats.get("reserved_bytes.all.current", 0)),
+                int(stats.get("allocated_bytes.all.peak", 0)))
+
+    def capturing(self, device: Optional[torch.device] = None) -> bool:
+        # A graph capture makes its stream current on its device and that
+        # device current (torch.cuda.graph -> torch.cuda.stream).
+        check = getattr(self.module, "is_current_stream_capturing", None)
+        try:
+            return bool(check()) if check is not None else False
+        except Exception:
+            return False
+
+    def attach_oom_observer(self, observer: Callable[..., None]) -> bool:
+        attach = getattr(torch._C, f"_{self.name}_attach_out_of_memory_observer", None)
+        if attach is None:
+            return False
+        attach(observer)
+        return True
+
+    def memory_snapshot(self) -> Optional[dict[str, Any]]:
+        memory = getattr(self.module, "memory", None)
+        snapshot = getattr(memory, "_snapshot", None)
+        return snapshot() if snapshot is not None else None
+
+
+def _accelerator_type() -> Optional[str]:
+    try:
+        return torch.accelerator.current_accelerator().type
+    except Exception:
+        return None
+
+
+# -- the test double ---------------------------------------------------------------
+
+
+class _DoubleEvent:
+    __slots__ = ("device", "at", "order")
+
+    def __init__(self, device: int, at: float, order: int) -> None:
+        self.device, self.at, self.order = device, at, order
+
+
+class GpuLikeDouble:
+    """CPU tensors behave as tensors of device ``device`` of an accelerator
+    (see the module docstring). ``lag``: an event completes once this many
+    later events were recorded on its device, or ``latency_s`` after it was
+    recorded. ``slowdown`` / ``extra_s``: device time between two events is
+    the host time times ``slowdown`` plus ``extra_s`` (a slower GPU)."""
+
+    name = "double"
+
+    def __init__(self, device: int = 0, current: int = 0, lag: int = 2, latency_s: float = 0.25,
+                 slowdown: float = 1.0, extra_s: float = 0.0) -> None:
+        self.device = device
+        self.current = current  # the current device: 0 unless the script set it
+        self.lag, self.latency_s = lag, latency_s
+        self.slowdown, self.extra_s = slowdown, extra_s
+        self._orders: dict[int, int] = collections.defaultdict(int)
+        self.touched: set[int] = set()  # devices any call used (a context would be created there)
+        self.violations: list[str] = []  # what would have broken a CUDA graph capture
+        self.host_buffers: "set[int]" = set()  # ids of host copies (reading those is not a device read)
+        self.allocated: dict[int, int] = collections.defaultdict(int)
+        self.reserved: dict[int, int] = collections.defaultdict(int)
+        self.peak: dict[int, int] = collections.defaultdict(int)
+        self.stats_reads = 0
+        self.snapshot: Optional[dict[str, Any]] = None
+        self._observers: list[Callable[..., None]] = []
+        self._capturing = False
+        self._lock = threading.Lock()
+
+    # what the agent calls
+    def device_of(self, tensor: torch.Tensor) -> torch.device:
+        return torch.device("cpu", self.device)
+
+    def accelerated(self) -> bool:
+        return True
+
+    def _index(self, device: Optional[torch.device]) -> int:
+        index = self.current if device is None or device.index is None else device.index
+        self.touched.add(index)
+        return index
+
+    def _forbidden_in_capture(self, what: str) -> bool:
+        if self._capturing:
+            self.violations.append(what)
+            return True
+        return False
+
+    def event(self, device: torch.device, timing: bool = False) -> Any:
+        if self._forbidden_in_capture("event record"):
+            raise RuntimeError("operation not permitted when stream is capturing")
+        index = self._index(device)
+        with self._lock:
+            self._orders[index] += 1
+            return _DoubleEvent(index, time.perf_counter(), self._orders[index])
+
+    def to_host(self, tensor: torch.Tensor) -> Optional[tuple[Any, Any]]:
+        if self._forbidden_in_capture("pinned copy"):
+            raise RuntimeError("operation not permitted when stream is capturing")
+        host = tensor.detach().clone()  # readable only once its event completes
+        self.host_buffers.add(id(host))
+        return host, self.event(self.device_of(tensor))
+
+    def ready(self, handle: Any) -> bool:
+        if self._forbidden_in_capture("event query"):
+            raise RuntimeError("operation not permitted when stream is capturing")
+        if handle is None:
+            return True
+        return (self._orders[handle.device] - handle.order >= self.lag
+                or time.perf_counter() - handle.at >= self.latency_s)
+
+    def host_values(self, host: Any) -> list[float]:
+        values = host.tolist()  # a host copy: reading it is no device read
+        self.host_buffers.discard(id(host))
+        return values
+
+    def elapsed_s(self, start: Any, end: Any) -> Optional[float]:
+        if start.device != end.device:
+            return None
+        return max(0.0, (end.at - start.at) * self.slowdown + self.extra_s)
+
+    def memory_stats(self, device: torch.device) -> Optional[tuple[int, int, int]]:
+        index = self._index(device)
+        self.stats_reads += 1
+        return self.allocated[index], self.reserved[index], self.peak[index]
+
+    def capturing(self, device: Optional[torch.device] = None) -> bool:
+        return self._capturing
+
+    def attach_oom_observer(self, observer: Callable[..., None]) -> bool:
+        self._observers.append(observer)
+        return True
+
+    def memory_snapshot(self) -> Optional[dict[str, Any]]:
+        return self.snapshot
+
+    # what a test does with it
+    @contextlib.contextmanager
+    def capture(self):
+        """A CUDA graph capture on this device's current stream."""
+        self._capturing = True
+        try:
+            yield
+        finally:
+            self._capturing = False
+
+    def set_memory(self, device: int, allocated: int, reserved: Optional[int] = None) -> None:
+        self.allocated[device] = allocated
+        self.reserved[device] = max(allocated, reserved or 0)
+        self.peak[device] = max(self.peak[device], allocated)
+
+    def raise_oom(self, requested: int) -> None:
+        """What the caching allocator does when an allocation fails: the
+        observers run on the allocating thread, then OutOfMemoryError."""
+        index = self.device
+        free = max(0, self.reserved[index] - self.allocated[index])
+        for observer in list(self._observers):
+            observer(index, requested, self.allocated[index], free)
+        raise torch.cuda.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {requested} bytes (test double)")
+
+
+# -- which adapter a tensor gets ----------------------------------------------------
+
+_HOST = HostDevice()
+_ACCELERATORS: dict[str, AcceleratorDevice] = {}
+_installed: Optional[Any] = None
+
+
+def install(adapter: Optional[Any]) -> None:
+    """Use ``adapter`` for every tensor of this process (tests: a
+    GpuLikeDouble); ``None`` goes back to the real devices."""
+    global _installed
+    _installed = adapter
+
+
+def installed() -> Optional[Any]:
+    return _installed
+
+
+def for_device(device: torch.device) -> Any:
+    if _installed is not None:
+        return _installed
+    if device.type == "cpu" or device.type == "meta":
+        return _HOST
+    adapter = _ACCELERATORS.get(device.type)
+    if adapter is None:
+        adapter = _ACCELERATORS[device.type] = AcceleratorDevice(device.type)
+    return adapter
+
+
+def for_tensor(tensor: torch.Tensor) -> Any:
+    return for_device(tensor.device)
+
+
+def device_of(tensor: torch.Tensor) -> torch.device:
+    """The device a tensor's work runs on, as the adapter sees it."""
+    return for_tensor(tensor).device_of(tensor)
+
+
+def model_device(parameters) -> Optional[torch.device]:
+    """The device of the first floating-point parameter: the rank's device,
+    whatever the current device is."""
+    for p in parameters:
+        if p.is_floating_point():
+            return device_of(p)
+    return None
+
+
+def capturing(device: Optional[torch.device] = None) -> bool:
+    """A CUDA graph capture is under way on the current stream: nothing may
+    record, query or copy now (it would invalidate the capture)."""
+    adapter = _installed
+    if adapter is None:
+        if device is None or device.type == "cpu":
+            if not _ACCELERATORS:
+                return False
+            return any(a.capturing() for a in _ACCELERATORS.values())
+        adapter = for_device(device)
+    return adapter.capturing(device)
+
+
+# -- deferred host reads ------------------------------------------------------------
+
+
+class DeferredReads:
+    """Device values -> host values without blocking: a submission is one
+    concatenation (a device op), one non-blocking copy to host memory and an
+    event (`submit`), or a pair of events whose elapsed device time is
+    wanted (`submit_elapsed`); `poll` hands each completed one to its
+    consumer, in order. Bounded: past ``limit`` pending reads the oldest is
+    given up (its consumer gets None), so a device that stops making
+    progress costs a fixed amount of memory. Call from the training thread
+    only (a query from another thread during a graph capture would
+    invalidate it)."""
+
+    def __init__(self, limit: int = 64) -> None:
+        self.limit = limit
+        # (adapter, handle to wait for, read the value, consumer)
+        self.pending: collections.deque[tuple[Any, Any, Callable[[], Any], Callable[[Any], None]]] = \
+            collections.deque()
+        self.given_up = 0
+
+    def submit(self, values: list[torch.Tensor], consume: Consume) -> bool:
+        """``values``: scalars and vectors, read as one flat list of floats
+        in their order. False (and ``consume(None)``) when nothing can be
+        read now (a graph capture)."""
+        if not values:
+            return False
+        adapter = for_tensor(values[0])
+        if adapter.capturing(adapter.device_of(values[0])):
+            consume(None)
+            return False
+        flat = torch.cat([v.detach().reshape(-1).float() for v in values])
+        copied = adapter.to_host(flat)
+        if copied is None:
+            consume(None)
+            return False
+        host, handle = copied
+        self._add(adapter, handle, lambda: adapter.host_values(host), consume)
+        return True
+
+    def submit_elapsed(self, adapter: Any, start: Any, end: Any, consume: Callable[[Optional[float]], None]) -> None:
+        """Device seconds from event ``start`` to event ``end`` (recorded on
+        one stream), once ``end`` has completed."""
+        self._add(adapter, end, lambda: adapter.elapsed_s(start, end), consume)
+
+    def _add(self, adapter: Any, handle: Any, read: Callable[[], Any], consume: Callable[[Any], None]) -> None:
+        if not self.pending and adapter.ready(handle):
+            consume(read())  # a CPU: the value is there now
+            return
+        self.pending.append((adapter, handle, read, consume))
+        while len(self.pending) > self.limit:
+            dropped = self.pending.popleft()[3]
+            self.given_up += 1
+            dropped(None)
+
+    def poll(self) -> int:
+        """Consume what is ready, in submission order; never waits."""
+        done = 0
+        while self.pending:
+            adapter, handle, read, consume = self.pending[0]
+            if adapter.capturing() or not adapter.ready(handle):
+                break
+            self.pending.popleft()
+            consume(read())
+            done += 1
+        return done
+
+    def give_up(self) -> None:
+        """At exit: what has not completed is not waited for."""
+        while self.pending:
+            consume = self.pending.popleft()[3]
+            consume(None)

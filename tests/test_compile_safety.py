@@ -1,0 +1,153 @@
+"""torch.compile never breaks the job because of rankwatch (issue 17,
+finding 6), on CPU where torch allows it:
+
+- compiled autograd with DDP's Python reducer (`optimize_ddp="python_reducer"`):
+  DDP calls comm hooks once per parameter with a `(grad, param)` tuple; the
+  agent's default hook raised `AttributeError: 'tuple' object has no
+  attribute 'buffer'` inside backward;
+- `torch.compile(optimizer.step, fullgraph=True)`: the global optimizer hooks
+  are traced; the agent's (`time.time()`, locks) made Dynamo raise
+  `Unsupported`. Steps are still counted (see progress.CompiledSteps).
+  Torch's own optimizers graph-break on purpose in `_use_grad` (torch 2.13),
+  so the fullgraph case uses an optimizer without it, as a user's own would;
+- collectives inside a `fullgraph=True` region.
+
+One process, a gloo world of size 1, the agent attached in process.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from rankwatch import config as config_mod
+from rankwatch import wire
+from rankwatch.agent import safety
+from rankwatch.agent.runtime import Agent
+
+pytest.importorskip("torch._dynamo")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def world():
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this test process")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def agent(world):
+    safety._disabled.clear()
+    torch._dynamo.reset()
+    config = config_mod.Config(fingerprint_every=0, grad_check_budget=0.0)
+    identity = wire.RankIdentity(run_id="compile", rank=0, local_rank=0, world_size=1, node_rank=0,
+                                 host="localhost", pid=os.getpid(), attempt=0)
+    agent = Agent(config, identity, None)
+    agent.install()
+    yield agent
+    agent.uninstall()
+    torch._dynamo.reset()
+    assert not safety._disabled, f"a part of the agent failed: {safety._disabled}"
+
+
+def _net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+
+
+class PlainSGD(torch.optim.Optimizer):
+    """An optimizer of the user's own, without torch's `_use_grad` graph breaks."""
+
+    def __init__(self, params, lr: float = 0.01):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
+def test_compiled_autograd_with_the_python_reducer(agent, monkeypatch):
+    monkeypatch.setattr(torch._dynamo.config, "optimize_ddp", "python_reducer")
+    model = torch.compile(DDP(_net()), backend="aot_eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with torch._dynamo.compiled_autograd._enable(torch.compile(backend="aot_eager")):
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            opt.step()
+    assert agent.progress.step == 3
+    assert any(e.kind == "grad_checks_off" and e.details.get("reason") == "python_reducer"
+               for e in agent.events_log)
+
+
+def test_a_users_hook_still_gets_the_python_reducers_tuples(agent, monkeypatch):
+    monkeypatch.setattr(torch._dynamo.config, "optimize_ddp", "python_reducer")
+    seen = []
+
+    def hook(state, bucket):  # a hook written for the python reducer: (grad, param)
+        seen.append(type(bucket).__name__)
+        grad, param = bucket
+        param.grad.copy_(grad)
+
+    ddp = DDP(_net())
+    ddp.register_comm_hook(None, hook)
+    model = torch.compile(ddp, backend="aot_eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with torch._dynamo.compiled_autograd._enable(torch.compile(backend="aot_eager")):
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            opt.step()
+    assert agent.progress.step == 2
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compiled_optimizer_step_with_fullgraph(agent, backend):
+    model = DDP(_net())
+    opt = PlainSGD(model.parameters())
+    step = torch.compile(opt.step, fullgraph=True, backend=backend)
+    for _ in range(5):
+        opt.zero_grad()
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        step()
+    agent.progress.finish()
+    assert agent.progress.step == 5
+    records = list(agent.progress.recent)
+    assert len(records) == 5 and all(r.loss is not None and r.grad_norm is not None for r in records)
+
+
+def test_compiled_builtin_optimizer_step(agent):
+    model = DDP(_net())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = torch.compile(opt.step, backend="eager")
+    for _ in range(4):
+        opt.zero_grad()
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        step()
+    agent.progress.finish()
+    assert agent.progress.step == 4
+
+
+def test_collectives_in_a_fullgraph_region(agent):
+    def reduce_and_scale(t):
+        dist.all_reduce(t)
+        return t * 2
+
+    out = torch.compile(reduce_and_scale, fullgraph=True, backend="eager")(torch.ones(3))
+    assert out.tolist() == [2.0, 2.0, 2.0]

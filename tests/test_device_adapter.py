@@ -1,0 +1,336 @@
+"""The device adapter and the GPU logic above it, on CPU through the test
+double (`GpuLikeDouble`): events that complete later, asynchronous copies, a
+current device (0) that is not the device the tensors live on, a slower
+device, graph capture and an OOM raised through the allocator's observer.
+
+One process, a gloo world of size 1, the agent attached in process. Each
+test names the finding of issue 17 it covers; each failed before its fix
+(the CUDA branches then ran only on a GPU, and crashed or leaked there).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from rankwatch import config as config_mod
+from rankwatch import wire
+from rankwatch.agent import device as device_mod
+from rankwatch.agent import safety
+from rankwatch.agent.runtime import Agent
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def world():
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this test process")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def gpu():
+    """The test double, as rank 0 would see GPU 1 with GPU 0 current (no set_device)."""
+    double = device_mod.GpuLikeDouble(device=1, current=0)
+    device_mod.install(double)
+    yield double
+    device_mod.install(None)
+
+
+def _agent(**overrides) -> Agent:
+    config = config_mod.Config(**{"fingerprint_every": 0, "grad_check_budget": 0.0, **overrides})
+    identity = wire.RankIdentity(run_id="device", rank=0, local_rank=0, world_size=1, node_rank=0,
+                                 host="localhost", pid=os.getpid(), attempt=0)
+    agent = Agent(config, identity, None)
+    agent.install()
+    return agent
+
+
+@pytest.fixture
+def agent(world, gpu):
+    safety._disabled.clear()
+    agent = _agent()
+    yield agent
+    agent.uninstall()
+    assert not safety._disabled, f"a part of the agent failed: {safety._disabled}"
+
+
+def _net(width: int = 16) -> torch.nn.Module:
+    torch.manual_seed(0)
+    # Several parameters per DDP bucket: the case that crashed the CUDA branch.
+    return torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
+                               torch.nn.ReLU(), torch.nn.Linear(width, 1))
+
+
+def _train(model, opt, steps: int, nan_at: int = -1, scale: float = 1.0) -> None:
+    for step in range(steps):
+        opt.zero_grad()
+        x = torch.randn(16, 8)
+        loss = model(x).pow(2).mean() * scale
+        if step == nan_at:
+            loss = loss * float("nan")
+        loss.backward()
+        opt.step()
+
+
+def _records(agent) -> dict[int, wire.StepRecord]:
+    return {r.step: r for r in agent.progress.unsent}
+
+
+# -- the double itself ------------------------------------------------------------------
+
+
+def test_double_events_complete_only_after_later_work_and_copies_wait_for_them(gpu):
+    reads = device_mod.DeferredReads()
+    got = []
+    reads.submit([torch.tensor(2.0), torch.tensor([3.0, 4.0])], got.append)
+    assert got == [] and reads.poll() == 0, "a device copy is not readable when it is queued"
+    gpu.event(torch.device("cpu", 1))
+    gpu.event(torch.device("cpu", 1))  # two later kernels: the copy is done by now
+    assert reads.poll() == 1 and got == [[2.0, 3.0, 4.0]]
+
+
+def test_deferred_reads_are_bounded_and_never_wait(gpu):
+    gpu.latency_s = 3600.0  # a device that never finishes
+    reads = device_mod.DeferredReads(limit=8)
+    given_up = []
+    started = time.perf_counter()
+    for i in range(100):
+        reads.submit([torch.tensor(float(i))], given_up.append)
+        reads.poll()
+    assert time.perf_counter() - started < 2.0
+    assert len(reads.pending) <= 8 + 2  # the limit, plus what later events completed
+    assert given_up and all(v is None or isinstance(v, list) for v in given_up)
+    reads.give_up()
+    assert not reads.pending
+
+
+def test_the_cpu_adapter_reads_at_once():
+    got = []
+    device_mod.DeferredReads().submit([torch.tensor(1.5)], got.append)
+    assert got == [[1.5]]
+
+
+# -- finding 1: the gradient check on a GPU ---------------------------------------------
+
+
+def test_gpu_gradient_checks_run_from_step_0_and_keep_nothing_between_steps(agent, gpu):
+    """Finding 1: the CUDA branch raised on any bucket of two or more
+    parameters (reshape(()) of a norm vector) and then kept appending every
+    bucket's tensors forever. Now: values a step later, in the step records,
+    nothing kept from one step to the next, bounded reads."""
+    model = DDP(_net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    checker = next(e for e in agent.extensions if type(e).__name__ == "GradChecker")
+    for _ in range(30):
+        _train(model, opt, 1)
+        assert checker._step_values is None and checker._values == [], "device tensors kept past the step end"
+    assert len(agent.progress.reads.pending) <= agent.progress.reads.limit
+    records = _records(agent)
+    assert len(records) >= 25, "records are held only until their values are in"
+    assert all(records[s].grad_norm is not None and math.isfinite(records[s].grad_norm) for s in records)
+    assert all(records[s].loss is not None for s in records)
+    assert not [e for e in agent.events_log if e.kind == "step_values"], "values travel in the step rows"
+
+
+def test_a_disabled_step_part_stops_the_hook_from_accumulating(agent, gpu):
+    model = DDP(_net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    checker = next(e for e in agent.extensions if type(e).__name__ == "GradChecker")
+    _train(model, opt, 2)
+    safety.disable("grad_checks.step", RuntimeError("simulated"))
+    try:
+        for _ in range(10):
+            model(torch.randn(4, 8)).sum().backward()  # backward after backward, no step end reads them
+            assert checker._step_values is None and checker._values == []
+    finally:
+        safety._disabled.discard("grad_checks.step")
+
+
+def test_gpu_nan_in_gradients_is_named_a_step_later(agent, gpu):
+    model = DDP(_net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    _train(model, opt, 4)
+
+    def poison(grad):
+        return grad * float("nan")
+
+    handle = model.module[2].weight.register_hook(poison)
+    _train(model, opt, 1)
+    handle.remove()
+    _train(model, opt, 4)
+    bad = [e for e in agent.events_log if e.kind == "nonfinite"]
+    assert bad and bad[0].step == 4, bad
+    assert bad[0].details["parameters"] == ["2.weight"]
+    assert bad[0].details["source"] == "local_gradients"
+    assert _records(agent)[4].nonfinite_grads == 1
+
+
+# -- finding 4: device time ------------------------------------------------------------
+
+
+def test_compute_time_is_device_time(agent, gpu):
+    """Finding 4: compute_s was the host time at which the last bucket was
+    queued. A slower device now shows in compute_s."""
+    model = DDP(_net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gpu.extra_s = 0.5  # the device needs 0.5 s more than the host took to queue the work
+    _train(model, opt, 6)
+    agent.progress.finish()
+    records = _records(agent)
+    assert records and all(r.compute_s is not None and r.compute_s >= 0.5 for r in records.values()), \
+        [r.compute_s for r in records.values()]
+    host = [r.ended_at - r.started_at for r in records.values()]
+    assert max(host) < 0.5, "the host itself was fast: only the device time says slow"
+
+
+# -- finding 5: the device of the tensors, not GPU 0 -----------------------------------
+
+
+def test_everything_happens_on_the_tensors_device_not_the_current_one(agent, gpu):
+    """Finding 5: without torch.cuda.set_device the current device is 0 while
+    the tensors live on device k; events went to device 0's stream (racing
+    the copy), every rank made a context on GPU 0, and memory stats read GPU 0."""
+    gpu.set_memory(0, 0)
+    gpu.set_memory(1, 123 << 20, reserved=200 << 20)
+    model = DDP(_net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    reads_before = gpu.stats_reads
+    _train(model, opt, 5)
+    agent.progress.finish()
+    records = _records(agent)
+    assert all(r.device_allocated_bytes == 123 << 20 and r.device_reserved_bytes == 200 << 20
+               for r in records.values())
+    assert gpu.stats_reads - reads_before == 5, "one read of the allocator's counters per step"
+    assert gpu.touched == {1}, f"device 0 was used: {gpu.touched}"
+
+
+# -- finding 6: graph capture ----------------------------------------------------------
+
+
+def test_nothing_runs_during_a_graph_capture(agent, gpu):
+    """Finding 6: a whole-step CUDA graph capture was invalidated by the
+    step-end code (event queries, pinned allocations)."""
+    model = DDP(_net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    _train(model, opt, 3)
+    with gpu.capture():
+        _train(model, opt, 1)  # forward, backward (comm hook), optimizer step: all under capture
+    _train(model, opt, 3)
+    assert gpu.violations == []
+    assert agent.progress.step == 7
+
+
+# -- finding 8: bounded, and accumulation is not overflow ------------------------------
+
+
+def test_accumulation_without_no_sync_is_not_an_overflow(agent, gpu):
+    model = DDP(_net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(5):
+        for _ in range(4):  # 4 micro-batches, each backward allreduces (no no_sync)
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    agent.progress.finish()
+    assert not [e for e in agent.events_log if e.kind in ("overflow_skipped", "nonfinite")]
+    assert agent.progress.step == 5
+
+
+def test_a_step_gradscaler_skips_is_counted_once_with_its_parameters(agent, gpu):
+    model = DDP(_net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    for step in range(6):
+        opt.zero_grad()
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        if step == 2:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    for _ in range(3):
+        _train(model, opt, 1)
+    skipped = [e for e in agent.events_log if e.kind == "overflow_skipped"]
+    assert len(skipped) == 1, skipped
+    assert skipped[0].details["parameters"], "the non-finite parameters are named when their values come"
+    assert not [e for e in agent.events_log if e.kind == "nonfinite"], "a skipped overflow is not a NaN"
+
+
+def test_the_event_log_is_a_window(world):
+    agent = _agent()
+    try:
+        for i in range(5000):
+            agent.record_event("noise", step=i)
+        agent.record_event("exception", message="x")
+        for i in range(3000):
+            agent.record_event("noise2", step=i)
+        assert len(agent.events_log) <= 1024
+        kinds = [e.kind for e in agent.recent_events()]
+        assert "exception" in kinds and kinds.count("noise") == 1  # the first of each kind stays
+    finally:
+        agent.uninstall()
+
+
+# -- finding 9: OOM ---------------------------------------------------------------------
+
+
+def test_a_caught_oom_gives_no_oom_and_costs_nothing_on_the_allocating_thread(agent, gpu, monkeypatch):
+    from rankwatch.agent import bundle as bundle_mod
+
+    built = []
+    monkeypatch.setattr(bundle_mod, "build", lambda *a, **k: built.append(a) or b"")
+    model = DDP(_net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    _train(model, opt, 2)
+    for batch in (1 << 30, 1 << 28, 1 << 26):  # a batch-size finder
+        started = time.perf_counter()
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            gpu.raise_oom(batch * 4)
+        assert time.perf_counter() - started < 0.05
+    assert built == [], "no bundle on the allocating thread"
+    _train(model, opt, 2)
+    kinds = [e.kind for e in agent.events_log]
+    assert "oom" not in kinds and "oom_caught" in kinds
+
+
+def test_an_oom_that_ends_the_rank_is_oom_with_the_snapshot(agent, gpu, monkeypatch, tmp_path):
+    from rankwatch.agent import bundle as bundle_mod
+
+    gpu.snapshot = json.loads((DATA / "cuda_snapshot.json").read_text())
+    delivered = []
+    monkeypatch.setattr(bundle_mod, "deliver", lambda agent, archive, incident, timeout=5.0: delivered.append(
+        (incident, archive)))
+    model = DDP(_net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    _train(model, opt, 2)
+    try:
+        gpu.raise_oom(1 << 33)
+    except torch.cuda.OutOfMemoryError as exc:
+        agent.on_exception(exc)
+    oom = [e for e in agent.events_log if e.kind == "oom"]
+    assert oom and oom[0].details["requested_bytes"] == 1 << 33
+    assert delivered and delivered[0][0].startswith("oom-")
+    from rankwatch.bundles import unpack
+
+    bundle = unpack(delivered[0][1])
+    assert bundle.manifest.reason == "oom"
+    assert bundle.get("memory_snapshot.json")["summary"]["allocated_bytes"] > 0
