@@ -132,8 +132,9 @@ _FR_SETTINGS: tuple[tuple[tuple[str, ...], str], ...] = (
 
 
 def fr_environment(run_dir: Any, env: Any = None) -> dict[str, str]:
-    """The variables to add to a worker's environment: every name of each
-    setting, so the whole supported torch range (2.4-2.13) reads it. Where
+    """The variables to add to a worker's environment: each setting under the
+    name this torch reads (both spellings below 2.8, so the whole supported
+    range 2.4-2.13 reads it). Where
     the user set one name, the others get the user's value; where the user
     set none, rankwatch's. The timeout dump's prefix lies in the run dir
     (file = prefix + rank), where rankwatch collects it. Torch's debug-info
@@ -150,9 +151,21 @@ def fr_environment(run_dir: Any, env: Any = None) -> dict[str, str]:
                 value = os.path.join(str(run_dir), FR_DIR, "rank_")
             given = value
         for name in names:
-            if name not in env:
+            if name not in env and (name == names[0] or not _reads_fr_names()):
                 out[name] = given
     return out
+
+
+def _reads_fr_names() -> bool:
+    """This torch reads TORCH_FR_* (>= 2.8): the old TORCH_NCCL_* spelling is
+    then left out, since torch warns on every rank for each old name set."""
+    try:
+        import torch
+
+        major, minor = (int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+        return (major, minor) >= (2, 8)
+    except Exception:
+        return False
 
 
 def timeout_dump_prefix(run_dir: Any, env: Any = None) -> str:

@@ -180,11 +180,17 @@ def test_an_nccl_dump_in_a_bundle_passes_the_bundle_schema():
 # -- finding 10: the environment for the whole torch range, and the timeout dumps ----------
 
 
-def test_both_generations_of_variable_names_are_set(tmp_path):
-    env = fr_environment(tmp_path, {})
+def test_the_names_this_torch_reads_are_set(tmp_path, monkeypatch):
+    from rankwatch.agent import collectives
+
+    monkeypatch.setattr(collectives, "_reads_fr_names", lambda: False)  # torch < 2.8 reads the old names
+    older = fr_environment(tmp_path, {})
     for old, new in (("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE"),
                      ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_DUMP_TEMP_FILE")):
-        assert env[old] == env[new], env
+        assert older[old] == older[new], older
+    monkeypatch.setattr(collectives, "_reads_fr_names", lambda: True)  # newer: the old ones make torch warn
+    env = fr_environment(tmp_path, {})
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env and "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in env
     assert int(env["TORCH_FR_BUFFER_SIZE"]) > 0, "torch 2.4/2.5 default to 0: recorder off"
     assert env["TORCH_FR_DUMP_TEMP_FILE"].startswith(str(tmp_path))
     assert "TORCH_NCCL_DEBUG_INFO_PIPE_FILE" not in env
@@ -201,7 +207,7 @@ def test_attach_sets_them_too(tmp_path, monkeypatch):
             monkeypatch.delenv(name)
     monkeypatch.setattr(os, "environ", dict(os.environ))
     rw._set_flight_recorder_environment(str(tmp_path))
-    assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == os.environ["TORCH_FR_BUFFER_SIZE"] == "2000"
+    assert os.environ["TORCH_FR_BUFFER_SIZE"] == "2000"
     assert (tmp_path / "flight_recorder").is_dir()
 
 
