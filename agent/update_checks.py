@@ -151,6 +151,11 @@ class UpdateChecks:
                 g = p.grad
                 if g is None or g.is_sparse or p.is_sparse or not p.requires_grad:
                     continue
+                if p.dtype not in (torch.float32, torch.float64):
+                    # bf16/fp16 weights without float32 master copies: an update below the
+                    # value's resolution rounds away. That is lost precision, not an optimizer
+                    # that misses the tensor (its other parameters still tell that).
+                    continue
                 names.append(self.models.name_of(p) or f"<{tuple(p.shape)}>")
                 params.append(local(p.detach()))
                 grads.append(local(g.detach()))
