@@ -580,6 +580,8 @@ class TrainedModels:
         if root is None:
             return None
         via = "module" if root.ddp is not None else "direct"
+        if via == "direct" and not self.agent.ddp_modules:
+            self.agent.progress.on_forward(module, args)  # no DDP hook times this rank's steps
         forward = Forward(root=root, args=args, kwargs=kwargs, via=via, training=module.training)
         if via == "module":
             forward.site = user_site()

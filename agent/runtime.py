@@ -104,6 +104,7 @@ class Agent:
         self._faulthandler_file = None
         self._fatal_file = None
         self.ddp_modules: list[Any] = []
+        self._roots_attached: set[int] = set()  # ids of models without DDP given the device-facing parts
         self.extensions: list[Any] = []  # parts that answer collector commands
         self.memory = None
         self.models = None  # agent/models.py: what this rank trains (silent-error checks, GPU checks)
@@ -148,6 +149,8 @@ class Agent:
         from . import batch_fingerprints, fingerprints, loaders, models, train_config, update_checks
 
         self.models = models.attach(self)
+        if self.models is not None:
+            self.models.on_discovered.append(self._on_models_found)
         self.loaders = loaders.attach(self)
         self.train_config = train_config.attach(self, self.models, self.loaders)
         batch_fingerprints.attach(self, self.models, self.loaders)
@@ -378,6 +381,38 @@ class Agent:
             ext = attach(self, ddp)
             if ext is not None:
                 self.extensions.append(ext)
+
+    @guarded("agent.models_found")
+    def _on_models_found(self) -> None:
+        """A model trained without DDP (FSDP2's ``fully_shard``, FSDP1,
+        DeepSpeed, a hand-written data-parallel loop) gets the device-facing
+        parts DDP's patch gives a DDP model: device memory statistics and the
+        OOM observer (any model), step timing from its forwards (device time
+        for ``compute_s``, through the root's forward pre-hook in
+        agent/models.py) and local gradient checks when its parameters are
+        whole tensors. Sharded parameters (DTensor, FSDP1's flat parameter,
+        DeepSpeed's empty partitioned ones) get no gradient checks: their
+        gradients reach their hooks already reduced, and a norm of a DTensor
+        may issue a collective. Found at the first optimizer step (models.py
+        discovery), so step 0 has none of this. The device side was never run
+        on a GPU: tests run it through the adapter's GPU-like double."""
+        from . import grad_checks
+        from .fingerprints import _plain
+
+        if self.models is None:
+            return
+        in_ddp = {id(p) for ddp in self.ddp_modules for p in ddp.parameters()}
+        for root in self.models.roots:
+            if root.ddp is not None or id(root.module) in self._roots_attached:
+                continue
+            self._roots_attached.add(id(root.module))
+            if self.memory is not None:
+                self.memory.on_model(root.module)
+            named = [(n, p) for n, p in root.module.named_parameters() if p.requires_grad and id(p) not in in_ddp]
+            if named and all(_plain(p) for _, p in named):
+                checker = grad_checks.attach_parameters(self, named)
+                if checker is not None:
+                    self.extensions.append(checker)
 
     # -- events --------------------------------------------------------------------
     def record_event(self, kind: str, step: Optional[int] = None, **details: Any) -> wire.Event:

@@ -26,10 +26,14 @@ rank = dist.get_rank()
 """
 
 
-def _script(tmp_path: Path, name: str, body: str, options: str = "") -> Path:
+def _script(tmp_path: Path, name: str, body: str, options: str = "", prelude: str = "") -> Path:
+    """The rank's own data: the model is built from one seed on every rank,
+    then each rank draws its batches from its own (the same batches on every
+    rank are duplicate_data, a fault of its own)."""
     import textwrap
 
-    return ddp_script(tmp_path, name, _DOUBLE.format(options=options) + textwrap.dedent(body))
+    body = prelude + textwrap.dedent(body).replace("for step in range(", "torch.manual_seed(100 + rank)\nfor step in range(", 1)
+    return ddp_script(tmp_path, name, _DOUBLE.format(options=options) + body)
 
 
 # -- finding 7: low precision -----------------------------------------------------------
@@ -185,3 +189,77 @@ def test_an_oom_that_ends_the_rank_is_oom_with_its_snapshot(tmp_path):
     assert oom["evidence"]["snapshot_summary"], "the snapshot taken when the rank ended is in the evidence"
     assert len(job.verdicts()) == 1, [(v["kind"], v["ranks"]) for v in job.verdicts()]
     json.dumps(job.report)
+
+
+# -- finding 3: without DDP (a hand-written data-parallel loop; FSDP2 and others alike) --------
+
+_BY_HAND = """
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 1))
+opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+def average_gradients():
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+"""
+
+
+def test_without_ddp_a_gradient_only_nan_is_named_on_its_rank_from_local_gradients(tmp_path):
+    """No DDP: the gradients are averaged by the script's own all_reduce, so
+    a NaN from rank 1's batch reaches every rank's weights. The local
+    gradient checks (attached once the optimizer step shows what is trained)
+    name rank 1 at the step it happened."""
+    script = _script(tmp_path, "by_hand_nan.py", prelude=_BY_HAND, body="""
+        state = {"step": 0}
+        def poison(grad):
+            if rank == 1 and state["step"] == 6:
+                return grad * float("nan")
+            return grad
+        model[2].weight.register_hook(poison)
+        for step in range(14):
+            state["step"] = step
+            opt.zero_grad()
+            model(torch.randn(8, 32)).pow(2).mean().backward()
+            average_gradients()
+            opt.step()
+        """)
+    job = run_job(tmp_path, ["--nproc-per-node", "3", str(script)])
+    nonfinite = job.only("nonfinite")
+    assert (nonfinite["ranks"], nonfinite["step"]) == ([1], 6), nonfinite["summary"]
+    assert nonfinite["evidence"]["parameters"] == ["2.weight"], nonfinite["evidence"]
+    assert len(job.verdicts()) == 1, job.verdicts()
+
+
+def test_without_ddp_a_slow_device_is_a_straggler_from_device_time(tmp_path):
+    script = _script(tmp_path, "by_hand_slow.py", prelude=_BY_HAND, body="""
+        if rank == 1:
+            double.extra_s = 0.06
+        double.set_memory(double.device, (1 + rank) << 30, reserved=8 << 30)
+        for step in range(60):
+            opt.zero_grad()
+            model(torch.randn(32, 32)).pow(2).mean().backward()
+            average_gradients()
+            opt.step()
+        """)
+    job = run_job(tmp_path, ["--nproc-per-node", "3", str(script)])
+    assert job.exit_code == 0, job.output[-3000:]
+    straggler = job.only("straggler")
+    assert straggler["ranks"] == [1], straggler["summary"]
+    assert all(v["kind"] == "straggler" for v in job.verdicts()), job.verdicts()
+
+
+def test_without_ddp_an_oom_that_ends_the_rank_is_oom_with_its_snapshot(tmp_path):
+    body = _OOM_BODY.replace("model = DDP(torch.nn.Sequential(", "model = (torch.nn.Sequential(").replace(
+        "    opt.step()\n", "    average_gradients()\n    opt.step()\n").replace(
+        "opt = torch.optim.SGD(model.parameters(), lr=1e-3)\n",
+        "opt = torch.optim.SGD(model.parameters(), lr=1e-3)\n" + _BY_HAND.split("opt = torch.optim.SGD(model.parameters(), lr=1e-3)\n")[1])
+    assert "DDP(" not in body and "average_gradients()\n    opt.step()" in body
+    script = _script(tmp_path, "by_hand_oom.py", body.format(snapshot=str(DATA / "cuda_snapshot.json"),
+                                                             on_rank_1="double.raise_oom(8 << 30)"))
+    job = run_job(tmp_path, ["--nproc-per-node", "2", str(script)])
+    assert job.exit_code != 0
+    oom = job.only("oom")
+    assert oom["ranks"] == [1] and oom["step"] == 4, oom["summary"]
+    assert "out of device memory" in oom["summary"], oom["summary"]
+    assert oom["evidence"]["snapshot_summary"], "the snapshot taken when the rank ended is in the evidence"
+    assert len(job.verdicts()) == 1, [(v["kind"], v["ranks"]) for v in job.verdicts()]
