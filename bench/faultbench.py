@@ -40,13 +40,16 @@ HEADLINE_END = "<!-- /faultbench:headline -->"
 
 QUICK_SHAPES = ["ddp"]
 QUICK_KINDS = ["healthy", "crash", "nan_loss", "collective_mismatch"]
-FULL_SEEDS = 2
+FULL_SEEDS = 2  # fault runs per (shape, kind)
+FULL_HEALTHY_SEEDS = 4  # healthy runs per shape
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help=f"shapes {QUICK_SHAPES}, kinds {QUICK_KINDS}, one seed")
     p.add_argument("--seeds", type=int, default=None, help=f"seeds per cell (full run: {FULL_SEEDS})")
+    p.add_argument("--healthy-seeds", type=int, default=None,
+                   help=f"healthy runs per shape (full run: {FULL_HEALTHY_SEEDS}; otherwise as --seeds)")
     p.add_argument("--first-seed", type=int, default=0)
     p.add_argument("--shapes", default="", help=f"comma-separated, from {', '.join(planning.SHAPES)}")
     p.add_argument("--kinds", default="", help="comma-separated, from " + ", ".join(planning.KIND_ORDER))
@@ -55,7 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "(the default for a full run)")
     p.add_argument("--no-docs", action="store_true")
     p.add_argument("--resume", action="store_true", help="skip runs already in OUT/runs.jsonl")
-    p.add_argument("--collective-timeout", type=float, default=60.0,
+    p.add_argument("--collective-timeout", type=float, default=30.0,
                    help="seconds, every process group, with and without rankwatch")
     p.add_argument("--world-size", type=int, default=planning.WORLD_SIZE)
     p.add_argument("--steps", type=int, default=planning.STEPS)
@@ -65,8 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         bad = [x for x in filter(None, getattr(a, name).split(",")) if x not in valid]
         if bad:
             p.error(f"--{name}: unknown {', '.join(bad)}; choose from {', '.join(valid)}")
-    if a.seeds is not None and a.seeds < 1:
-        p.error("--seeds must be at least 1")
+    if (a.seeds is not None and a.seeds < 1) or (a.healthy_seeds is not None and a.healthy_seeds < 1):
+        p.error("--seeds and --healthy-seeds must be at least 1")
     return a
 
 
@@ -161,11 +164,14 @@ def main(argv=None) -> int:
     if "ray" in shapes and not ray_installed():
         print("Ray Train is not installed: the Ray shape is left out", flush=True)
         shapes.remove("ray")
+    full = not (a.quick or a.shapes or a.kinds or a.seeds)
     seeds = list(range(a.first_seed, a.first_seed + (a.seeds or (1 if a.quick else FULL_SEEDS))))
-    docs = (a.docs or not (a.quick or a.shapes or a.kinds or a.seeds)) and not a.no_docs
+    healthy_count = a.healthy_seeds or (FULL_HEALTHY_SEEDS if full else len(seeds))
+    healthy_seeds = list(range(a.first_seed, a.first_seed + healthy_count))
+    docs = (a.docs or full) and not a.no_docs
     out = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="faultbench-"))
     out.mkdir(parents=True, exist_ok=True)
-    plans = planning.plan_all(shapes, kinds, seeds, a.world_size, a.steps)
+    plans = planning.plan_all(shapes, kinds, seeds, a.world_size, a.steps, healthy_seeds)
     jsonl = out / "runs.jsonl"
     done: dict[str, dict] = {}
     if a.resume and jsonl.exists():
@@ -175,7 +181,8 @@ def main(argv=None) -> int:
                 done[run["run_id"]] = run
     elif jsonl.exists():
         jsonl.unlink()
-    settings = {"world_size": a.world_size, "steps": a.steps, "seeds": seeds, "shapes": shapes, "kinds": kinds,
+    settings = {"world_size": a.world_size, "steps": a.steps, "seeds": seeds, "healthy_seeds": healthy_seeds,
+                "shapes": shapes, "kinds": kinds,
                 "collective_timeout": a.collective_timeout, "cap_s": a.collective_timeout + 120,
                 "command": command}
     print(f"faultbench: {len(plans)} runs ({len(done)} already done), each plain and under rankwatch; "

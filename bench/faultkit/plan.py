@@ -105,12 +105,16 @@ def plan_run(shape: str, kind: str, seed: int, world_size: int = WORLD_SIZE, ste
 
 
 def plan_all(shapes: list[str], kinds: list[str], seeds: list[int], world_size: int = WORLD_SIZE,
-             steps: int = STEPS) -> list[RunPlan]:
+             steps: int = STEPS, healthy_seeds: Optional[list[int]] = None) -> list[RunPlan]:
     """Every applicable (shape, kind, seed), seed-major so that a partial run
-    already covers every cell once."""
+    already covers every cell once. Healthy runs may have seeds of their own
+    (more of them: every verdict on one counts against precision)."""
     plans = []
-    for seed in seeds:
+    healthy_seeds = seeds if healthy_seeds is None else healthy_seeds
+    for seed in sorted(set(seeds) | set(healthy_seeds)):
         for kind in kinds:
+            if seed not in (healthy_seeds if kind == HEALTHY else seeds):
+                continue
             for shape in shapes:
                 if kind in SHAPES[shape].not_applicable:
                     continue

@@ -277,7 +277,8 @@ def markdown(runs: list[dict], settings: dict, info: dict, command: str, files: 
         f"rankwatch at `{info.get('rankwatch_commit')}`.",
         "",
         f"Jobs: {settings['world_size']} ranks (gloo, CPU), {settings['steps']} optimizer steps, shapes "
-        f"{', '.join(SHAPES[s].title for s in shapes)}; seeds {settings['seeds']}; collective timeout "
+        f"{', '.join(SHAPES[s].title for s in shapes)}; fault seeds {settings['seeds']}, healthy seeds "
+        f"{settings.get('healthy_seeds', settings['seeds'])}; collective timeout "
         f"{settings['collective_timeout']:.0f} s on both sides; a run still going after "
         f"{settings['cap_s']:.0f} s is killed.",
         "",

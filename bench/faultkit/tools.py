@@ -46,6 +46,7 @@ class Outcome:
     injected: Optional[dict]
     report: Optional[dict] = None
     notes: list = field(default_factory=list)
+    hung_at_exit: bool = False
 
     def output(self, limit: int = 2_000_000) -> str:
         try:
@@ -109,29 +110,85 @@ def kill_all(pids: dict[int, str]) -> None:
                 pass
 
 
-def run_tree(argv: list[str], env: dict, cwd: Path, log: Path, cap_s: float) -> tuple[Optional[int], bool, float, float]:
-    """Runs argv in its own session; after cap_s, kills it and everything it
-    started (torchrun's workers and Ray's daemons lead sessions of their
-    own, so they are found by descent, remembered while they live)."""
+FINISHED = {"ray": b"training finished"}  # what the job prints once training is over (others: "final loss:")
+EXIT_GRACE_S = 20.0
+
+
+def _stop(root: int, seen: dict[int, str]) -> None:
+    """SIGTERM to the launcher first (rankwatch writes its report on it,
+    torchrun stops its workers), SIGKILL to everything left 15 s later."""
+    try:
+        os.kill(root, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.time() + 15
+    while time.time() < deadline and _start_time(root) is not None and _state(root) != "Z":
+        seen.update(descendants(root))
+        time.sleep(0.25)
+    seen.update(descendants(root))
+    kill_all({root: _start_time(root) or "", **seen})
+
+
+def _state(pid: int) -> Optional[str]:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat[stat.rfind(")") + 2:].split()[0]
+
+
+@dataclass
+class TreeResult:
+    exit_code: Optional[int]
+    timed_out: bool  # still running at the cap, or hung at exit
+    hung_at_exit: bool  # training had finished (its final line printed), the processes never exited
+    started_at: float
+    ended_at: float
+
+
+def run_tree(argv: list[str], env: dict, cwd: Path, log: Path, cap_s: float,
+             finished: bytes = b"final loss:") -> TreeResult:
+    """Runs argv in its own session until it exits, or until cap_s, or until
+    EXIT_GRACE_S after it printed `finished` (a job that finished training
+    and never exits: gloo's teardown deadlock, seen under plain torchrun);
+    then stops it and everything it started (torchrun's workers and Ray's
+    daemons lead sessions of their own, so they are found by descent,
+    remembered while they live)."""
     seen: dict[int, str] = {}
     started = time.time()
+    hung_at_exit = False
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         timed_out = False
         deadline = started + cap_s
+        finished_at = None
         while proc.poll() is None:
             seen.update(descendants(proc.pid))
+            if finished_at is None and finished in _tail(log):
+                finished_at = time.time()
+            if finished_at is not None and time.time() > finished_at + EXIT_GRACE_S:
+                hung_at_exit = timed_out = True
             if time.time() > deadline:
                 timed_out = True
-                seen.update(descendants(proc.pid))
-                kill_all({proc.pid: _start_time(proc.pid) or "", **seen})
+            if timed_out:
+                _stop(proc.pid, seen)
                 break
             time.sleep(0.25)
         code = proc.wait()
         ended = time.time()
     kill_all(seen)  # leftovers: orphaned workers, a Ray daemon
-    return (None if timed_out else code), timed_out, started, ended
+    return TreeResult(None if timed_out else code, timed_out, hung_at_exit, started, ended)
+
+
+def _tail(log: Path, size: int = 65536) -> bytes:
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - size))
+            return f.read()
+    except OSError:
+        return b""
 
 
 # ---------------------------------------------------------------- jobs --
@@ -200,8 +257,11 @@ def run_job(plan: RunPlan, workdir: Path, watched: bool, pg_timeout: float, cap_
     argv, report_path, extra = job_argv(plan, workdir, watched)
     env = {**base_env(plan, truth, pg_timeout, fr_dir), **extra}
     log = workdir / "output.log"
-    code, timed_out, started, ended = run_tree(argv, env, workdir, log, cap_s)
-    outcome = Outcome(code, timed_out, started, ended, log, read_truth(truth))
+    tree = run_tree(argv, env, workdir, log, cap_s, FINISHED.get(plan.shape, b"final loss:"))
+    outcome = Outcome(tree.exit_code, tree.timed_out, tree.started_at, tree.ended_at, log, read_truth(truth),
+                      hung_at_exit=tree.hung_at_exit)
+    if tree.hung_at_exit:
+        outcome.notes.append(f"training finished but the job did not exit within {EXIT_GRACE_S:.0f} s: stopped")
     if report_path is not None:
         try:
             outcome.report = json.loads(report_path.read_text())
@@ -258,8 +318,8 @@ def ray_answer(outcome: Outcome) -> dict:
 
 def _answer(outcome: Outcome, verdicts: list[dict]) -> dict:
     return {"applies": True, "injected": outcome.injected, "verdicts": verdicts, "exit_code": outcome.exit_code,
-            "timed_out": outcome.timed_out, "started_at": outcome.started_at, "ended_at": outcome.ended_at,
-            "notes": outcome.notes}
+            "timed_out": outcome.timed_out, "hung_at_exit": outcome.hung_at_exit, "started_at": outcome.started_at,
+            "ended_at": outcome.ended_at, "notes": outcome.notes}
 
 
 # --------------------------------------------------------------- fr_trace --
@@ -292,6 +352,9 @@ def fr_trace_answer(outcome: Outcome, workdir: Path) -> dict:
     answer = {"applies": True, "injected": outcome.injected, "verdicts": [], "ran": False, "notes": []}
     if outcome.exit_code == 0 and not outcome.timed_out:
         answer["notes"].append("job succeeded: nothing prompts a Flight Recorder analysis")
+        return answer
+    if outcome.hung_at_exit:
+        answer["notes"].append("training finished, then the job hung at exit: not a training failure to analyze")
         return answer
     fr_dir = workdir / "fr"
     ranks = sorted(int(p.name[3:]) for p in fr_dir.glob("fr_*") if p.name[3:].isdigit())
