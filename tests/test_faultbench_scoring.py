@@ -1,0 +1,141 @@
+"""faultbench's scoring (bench/faultkit/scoring.py): pure, no processes."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+from faultkit import plan, scoring  # noqa: E402
+
+
+def run(kind: str, rank=None, *, verdicts=(), injected_at=100.0, tool="rankwatch", run_id=None, applies=True):
+    expected = plan.FAULTS[kind].expected if kind in plan.FAULTS else None
+    injected = None if kind == "healthy" or injected_at is None else {"rank": rank, "step": 5, "time": injected_at}
+    return {"run_id": run_id or f"ddp-{kind}-{rank}", "shape": "ddp", "kind": kind, "rank": rank, "step": 5,
+            "expected": expected,
+            "tools": {tool: {"applies": applies, "injected": injected, "verdicts": list(verdicts)}}}
+
+
+def v(kind, ranks, time=None):
+    return {"kind": kind, "ranks": ranks, "time": time}
+
+
+def test_wilson_matches_the_textbook_values():
+    p = scoring.wilson(8, 10)
+    assert p.value == 0.8
+    assert p.low == pytest.approx(0.4902, abs=1e-4) and p.high == pytest.approx(0.9433, abs=1e-4)
+    zero = scoring.wilson(0, 20)
+    assert zero.low == 0.0 and zero.high == pytest.approx(0.1611, abs=1e-4)
+    everything = scoring.wilson(20, 20)
+    assert everything.high == 1.0 and everything.low == pytest.approx(0.8389, abs=1e-4)
+    assert scoring.wilson(0, 0).value is None and scoring.wilson(0, 0).low is None
+    with pytest.raises(ValueError):
+        scoring.wilson(3, 2)
+
+
+def test_median_interval_from_order_statistics():
+    m = scoring.quantile(range(1, 11), 0.5)
+    assert m.value == 5.5 and (m.low, m.high) == (2.0, 9.0)  # the classic n=10 interval (97.9 %)
+    few = scoring.quantile([3.0, 1.0, 2.0], 0.5)
+    assert few.value == 2.0 and few.low is None and few.high is None  # 3 runs cannot pin a median at 95 %
+    p95 = scoring.quantile(range(1, 101), 0.95)
+    assert p95.value == pytest.approx(95.05) and p95.low == 90.0 and p95.high == 100.0
+    assert scoring.quantile([], 0.5).value is None
+    with pytest.raises(ValueError):
+        scoring.quantile([1.0], 1.0)
+
+
+def test_quantile_interval_covers_at_least_95_percent():
+    # Check the coverage claim itself: P(l <= B <= u-1) >= 0.95 for B ~ Bin(n, q).
+    for n in (6, 10, 25, 60, 120):
+        for q in (0.5, 0.95):
+            values = list(range(1, n + 1))
+            r = scoring.quantile(values, q)
+            lo = int(r.low) if r.low is not None else 0
+            hi = int(r.high) if r.high is not None else n + 1
+            coverage = scoring._binom_cdf(hi - 1, n, q) - scoring._binom_cdf(lo - 1, n, q)
+            assert coverage >= 0.95, (n, q, lo, hi, coverage)
+
+
+def test_recall_needs_the_right_kind_and_exactly_the_culprit():
+    runs = [
+        run("hang", 2, verdicts=[v("hang", [2], 125.0)], run_id="a"),  # hit, 25 s
+        run("hang", 1, verdicts=[v("hang", [0], 130.0)], run_id="b"),  # a victim: miss
+        run("hang", 0, verdicts=[v("crash", [0], 110.0)], run_id="c"),  # right rank, wrong kind
+        run("hang", 0, verdicts=[v("hang", [0, 1], 110.0)], run_id="d"),  # not exactly the culprit
+        run("hang", 1, verdicts=[], run_id="e"),
+    ]
+    s = scoring.score_kinds(runs, "rankwatch")["hang"]
+    assert (s.runs, s.hits, s.culprit_hits) == (5, 1, 2)
+    assert s.misses == ["b", "c", "d", "e"]
+    assert s.latencies == [25.0]
+    assert s.recall.value == pytest.approx(0.2)
+
+
+def test_early_exit_is_scored_against_its_expected_kind():
+    r = run("early_exit", 1, verdicts=[v("hang", [1], 120.0)])
+    assert scoring.is_correct(r["tools"]["rankwatch"]["verdicts"][0], r)
+    r = run("leak", 2, verdicts=[v("memory_growth", [2], 120.0)])
+    assert scoring.is_correct(r["tools"]["rankwatch"]["verdicts"][0], r)
+
+
+def test_precision_counts_every_verdict_on_a_healthy_run_against_it():
+    runs = [
+        run("healthy", verdicts=[v("straggler", [1], 50.0)], run_id="h1"),
+        run("healthy", verdicts=[], run_id="h2"),
+        run("straggler", 1, verdicts=[v("straggler", [1], 140.0)], run_id="s1"),
+        run("straggler", 2, verdicts=[v("straggler", [2], 140.0), v("grad_spike", [0], 141.0)], run_id="s2"),
+    ]
+    p = scoring.score_precision(runs, "rankwatch")
+    assert (p["straggler"].verdicts, p["straggler"].correct, p["straggler"].on_healthy) == (3, 2, 1)
+    assert p["straggler"].wrong == [("h1", "straggler", [1])]
+    assert (p["grad_spike"].verdicts, p["grad_spike"].correct) == (1, 0)
+    assert (p["all"].verdicts, p["all"].correct, p["all"].on_healthy) == (4, 2, 1)
+    healthy = scoring.score_kinds(runs, "rankwatch")["healthy"]
+    assert (healthy.runs, healthy.verdicts, healthy.hits) == (2, 1, 0)
+
+
+def test_a_fault_that_never_fired_is_left_out_and_counted():
+    runs = [run("leak", 1, verdicts=[], injected_at=None, run_id="x"),
+            run("leak", 1, verdicts=[v("memory_growth", [1], 160.0)], run_id="y")]
+    s = scoring.score_kinds(runs, "rankwatch")["leak"]
+    assert (s.runs, s.not_injected, s.hits) == (1, 1, 1)
+    assert s.latencies == [60.0]
+    # Its verdicts do not count in precision either.
+    assert scoring.score_precision(runs, "rankwatch")["all"].verdicts == 1
+
+
+def test_a_tool_that_does_not_apply_to_a_shape_is_not_scored_there():
+    runs = [run("crash", 1, verdicts=[], applies=False, tool="torchrun")]
+    s = scoring.score_kinds(runs, "torchrun")["crash"]
+    assert (s.runs, s.not_injected) == (0, 0)
+    assert scoring.score_kinds(runs, "rankwatch") == {"crash": scoring.KindScore("rankwatch", "crash", "crash")}
+
+
+def test_time_to_verdict_is_from_the_injection_to_the_first_correct_verdict():
+    r = run("crash", 2, verdicts=[v("crash", [0], 101.0), v("crash", [2], 103.5), v("crash", [2], 102.0)])
+    assert scoring.time_to_verdict(r, r["tools"]["rankwatch"]) == 2.0
+
+
+def test_overall_adds_up_the_fault_kinds_and_leaves_healthy_runs_out():
+    runs = [run("crash", 1, verdicts=[v("crash", [1], 101.0)], run_id="c"),
+            run("hang", 0, verdicts=[v("crash", [0], 130.0)], run_id="h"),
+            run("healthy", verdicts=[v("hang", [0], 10.0)], run_id="ok")]
+    total = scoring.score_overall(runs, "rankwatch")
+    assert (total.runs, total.hits, total.culprit_hits, total.misses) == (2, 1, 2, ["h"])
+
+
+def test_every_planned_run_is_reproducible_from_its_seed():
+    a = plan.plan_all(list(plan.SHAPES), plan.KIND_ORDER, [0, 1])
+    b = plan.plan_all(list(plan.SHAPES), plan.KIND_ORDER, [0, 1])
+    assert a == b
+    assert len({p.run_id for p in a}) == len(a)
+    assert not any(p.shape == "fsdp2" and p.kind == "weight_divergence" for p in a)
+    faults = [p for p in a if p.kind != "healthy"]
+    assert all(0 <= p.rank < p.world_size and plan.FIRST_FAULT_STEP <= p.step <= plan.LAST_FAULT_STEP
+               for p in faults)
+    assert len({p.rank for p in faults}) == plan.WORLD_SIZE  # culprits vary
