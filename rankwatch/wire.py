@@ -310,6 +310,14 @@ class Verdict:
     detected_at: str
     summary: str
     evidence: dict[str, Any] = field(default_factory=dict)
+    # Unique within a report, the same live and offline (kind, step, culprits):
+    # what a consequence's "cause" points at (contract additions, project 2026-11-24).
+    id: str = ""
+
+
+def verdict_id(kind: str, step: Optional[int], ranks: list[int]) -> str:
+    shown = "-".join(str(r) for r in ranks[:4]) + ("-etc" if len(ranks) > 4 else "")
+    return f"{kind}@{'none' if step is None else step}:r{shown or 'none'}"
 
 
 @dataclass

@@ -266,7 +266,7 @@ def test_what_a_config_divergence_brings_about_is_its_consequence():
     assert only.kind == "config_divergence"
     records = {c["kind"]: c for c in only.evidence["consequences"]}
     assert set(records) == {"hang", "weight_divergence", "grad_spike", "collective_mismatch"}
-    assert records["weight_divergence"]["cause"] == "config_divergence"
+    assert records["weight_divergence"]["cause"] == "config_divergence@0:r2-3"  # the id of the verdict it follows from
     # Unrelated to it: a crash on another rank, a leak, an OOM, and anything before it.
     others = [_v("crash", [0], 20, 5), _v("memory_growth", [1], 20, 5), _v("nonfinite", [0], 15, 4),
               _v("weight_divergence", [1], -30, 0)]

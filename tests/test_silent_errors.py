@@ -113,7 +113,8 @@ def test_learning_rate_divergence_explains_the_replicas_drifting_apart(tmp_path)
     (v,) = job.verdicts()
     assert v["kind"] == "config_divergence" and v["ranks"] == [0]
     drift = [c for c in v["evidence"]["consequences"] if c["kind"] == "weight_divergence"]
-    assert drift and drift[0]["ranks"] == [0] and drift[0]["cause"] == "config_divergence", v["evidence"]
+    assert drift and drift[0]["ranks"] == [0] and drift[0]["cause"] == v["id"], (v["id"], v["evidence"])
+    assert v["id"].startswith("config_divergence@")
 
 
 def test_silent_error_actions_ignore_and_abort(tmp_path):

@@ -497,3 +497,18 @@ def test_hang_evidence_says_exited_when_it_gives_an_exit_code():
     for rank, figures in v.evidence["ranks"].items():
         assert figures["exit_code"] == -15
         assert figures["exited"] is True and figures["exited_before_hang"] is False, figures
+
+
+def test_every_verdict_in_a_report_has_an_id_unique_within_it():
+    from rankwatch.collector import report
+    from rankwatch.collector.analyses.common import verdict
+
+    a = verdict("straggler", [3, 1], 7, 1.0, 2.0, "s", {})
+    assert a.id == "straggler@7:r1-3"
+    twin = verdict("straggler", [1, 3], 7, 5.0, 6.0, "s", {})
+    legacy = wire.Verdict(kind="hang", ranks=[0], step=None, first_seen_at=iso(1.0), detected_at=iso(2.0),
+                          summary="h")  # decoded from an older store: no id
+    built = report.build(RunState(run_id="x", world_size=4), [a, twin, legacy])
+    ids = [v.id for v in built.verdicts]
+    assert ids == ["straggler@7:r1-3", "straggler@7:r1-3#2", "hang@none:r0"]
+    assert json.loads(wire.dumps(built))["verdicts"][0]["id"] == ids[0]

@@ -209,7 +209,8 @@ def _with_consequences(root: wire.Verdict, effects: list[wire.Verdict]) -> wire.
     for effect in effects:
         own = consequence_record(effect)
         if root.kind == "config_divergence" and effect.kind == "weight_divergence" and "cause" not in own:
-            own["cause"] = "config_divergence"  # the replicas drift apart because they train differently
+            # The replicas drift apart because they train differently: the cause is that verdict.
+            own["cause"] = root.id or wire.verdict_id(root.kind, root.step, root.ranks)
         for record in [own, *(effect.evidence.get("consequences") or [])]:
             if isinstance(record, dict) and _record_key(record) not in seen:
                 seen.add(_record_key(record))

@@ -46,14 +46,16 @@ def time_or_now(t: Optional[float]) -> float:
 def verdict(kind: str, ranks: Iterable[int], step: Optional[int], first_seen: Optional[float],
             detected: Optional[float], summary: str, evidence: dict[str, Any]) -> wire.Verdict:
     assert kind in wire.VERDICT_KINDS, kind
+    culprits = sorted(set(int(r) for r in ranks))
     return wire.Verdict(
         kind=kind,
-        ranks=sorted(set(int(r) for r in ranks)),
+        ranks=culprits,
         step=step,
         first_seen_at=iso(first_seen),
         detected_at=iso(detected),
         summary=summary,
         evidence=evidence,
+        id=wire.verdict_id(kind, step, culprits),
     )
 
 
