@@ -479,13 +479,17 @@ class TrainedModels:
             if id(ddp) not in self._by_ddp:
                 self.on_ddp(ddp)
         tops: dict[int, Any] = {}
+        unowned: set[int] = set()
         for p in order:
             entry = self._owners.get(id(p))
             owner = entry[1]() if entry is not None and entry[0]() is p else None
             if owner is None:
+                unowned.add(id(p))
                 continue
             top = self._top_module(owner)
             tops.setdefault(id(top), top)
+        if unowned:
+            self._find_owners(unowned, tops)
         roots: list[Root] = []
         seen: set[int] = set()
         for top in tops.values():
@@ -537,8 +541,39 @@ class TrainedModels:
         for listener in self.on_discovered:
             listener()
 
+    def _find_owners(self, unowned: set[int], tops: dict[int, Any]) -> None:
+        """Optimized parameters put in place without the registration hook
+        (FSDP2's ``fully_shard`` swaps in DTensor parameters through
+        ``module._parameters``; other wrappers do the same): searched for in
+        the topmost modules the registration hooks saw being built. At
+        discovery only, and bounded."""
+        looked: set[int] = set()
+        for link in list(self._parents.values())[:100_000]:
+            parent = link[1]()
+            if parent is None:
+                continue
+            top = self._top_module(parent)
+            if id(top) in looked:
+                continue
+            looked.add(id(top))
+            try:
+                held = [id(p) for p in top.parameters()]
+            except Exception:
+                continue
+            if unowned.intersection(held):
+                tops.setdefault(id(top), top)
+                unowned.difference_update(held)
+                if not unowned:
+                    return
+
     # -- hooks (training thread) ------------------------------------------------------------------
+    # Dynamo traces these global hooks when optimizer.step is compiled: the
+    # first thing they do is ask whether it is tracing, and then do nothing
+    # (no graph break; fullgraph=True works). A compiled step is still
+    # counted (runtime.py, CompiledSteps); the silent checks skip it.
     def _on_optimizer_pre(self, optimizer, args, kwargs) -> None:
+        if torch.compiler.is_compiling():
+            return None
         self._before_step(optimizer)
         for listener in self.on_optimizer_pre:
             listener(optimizer)
@@ -550,6 +585,8 @@ class TrainedModels:
             self.discover()
 
     def _on_optimizer_post(self, optimizer, args, kwargs) -> None:
+        if torch.compiler.is_compiling():
+            return None
         for listener in self.on_optimizer_post:
             listener(optimizer)
 

@@ -83,6 +83,42 @@ def collector_url_from_env(config: config_mod.Config, env=os.environ) -> Optiona
     return config.collector or env.get("RANKWATCH_COLLECTOR_URL") or None
 
 
+def _fsdp2_unsharded(module: Any, names: dict[int, str]) -> list[tuple[str, Any]]:
+    """FSDP2 (``fully_shard``): each sharded parameter's unsharded twin, the
+    parameter autograd accumulates this rank's local gradient into before
+    FSDP reduce-scatters it (FSDPParam._unsharded_param, created at the first
+    all-gather and reused after: its storage is freed between uses, the
+    object kept). A post-accumulate-grad hook there sees the local gradient,
+    as DDP's bucket hook does. torch's private layout, read defensively for
+    2.4-2.13 (``_fsdp_param_groups``, or ``_fsdp_param_group`` before 2.6);
+    anything else (FSDP1, DeepSpeed, tensor parallel) gives nothing. Never run
+    on a GPU here; on CPU with gloo in tests."""
+    out: list[tuple[str, Any]] = []
+    seen: set[int] = set()
+    for sub in module.modules():
+        get_state = getattr(sub, "_get_fsdp_state", None)
+        if get_state is None:
+            continue
+        try:
+            state = get_state()
+        except Exception:
+            continue
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            group = getattr(state, "_fsdp_param_group", None)
+            groups = [group] if group is not None else []
+        for group in groups:
+            for fsdp_param in getattr(group, "fsdp_params", None) or []:
+                unsharded = vars(fsdp_param).get("_unsharded_param")  # not the property: it checks the state
+                sharded = getattr(fsdp_param, "sharded_param", None)
+                if unsharded is None or id(unsharded) in seen or type(unsharded).__name__ == "DTensor":
+                    continue
+                seen.add(id(unsharded))
+                out.append((names.get(id(sharded)) or getattr(fsdp_param, "_param_fqn", None) or
+                            f"<{tuple(unsharded.shape)}>", unsharded))
+    return out
+
+
 class Agent:
     def __init__(self, config: config_mod.Config, identity: wire.RankIdentity, collector_url: Optional[str]):
         self.config = config
@@ -409,6 +445,8 @@ class Agent:
             if self.memory is not None:
                 self.memory.on_model(root.module)
             named = [(n, p) for n, p in root.module.named_parameters() if p.requires_grad and id(p) not in in_ddp]
+            if named and not all(_plain(p) for _, p in named):
+                named = _fsdp2_unsharded(root.module, dict((id(p), n) for n, p in named))
             if named and all(_plain(p) for _, p in named):
                 checker = grad_checks.attach_parameters(self, named)
                 if checker is not None:

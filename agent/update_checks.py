@@ -85,6 +85,11 @@ class UpdateChecks:
         # not_updated: per optimizer, (step, names, grad norms, norms before) waiting for the post hook
         self._before: dict[int, tuple[int, list[str], list[torch.Tensor], list[torch.Tensor], list[Any]]] = {}
         self._unchanged: dict[int, tuple[int, frozenset]] = {}  # id(optimizer) -> (step, unchanged names)
+        # (name, id(param)) of every parameter seen moving at a check: one that moved once is
+        # updated by its optimizer. Late in a healthy run a converged parameter's update can
+        # round away (fp32: below its resolution); the faults (a tensor in no optimizer, an
+        # optimizer holding replaced tensors) never move from their first check.
+        self._moved: set[tuple[str, int]] = set()
         # grads_not_cleared
         self._watch: list[dict[str, Any]] = []
         self._closed: list[dict[str, Any]] = []  # watches waiting for their device values
@@ -144,6 +149,7 @@ class UpdateChecks:
         if not self._checking(step) or "not_updated" in self.reported:
             return
         names, params, grads = [], [], []
+        keys: list[tuple[str, int]] = []
         for group in getattr(optimizer, "param_groups", []):
             if not _lr_positive(group):
                 continue
@@ -157,6 +163,7 @@ class UpdateChecks:
                     # that misses the tensor (its other parameters still tell that).
                     continue
                 names.append(self.models.name_of(p) or f"<{tuple(p.shape)}>")
+                keys.append((names[-1], id(p)))
                 params.append(local(p.detach()))
                 grads.append(local(g.detach()))
                 if len(params) >= 4096:
@@ -166,27 +173,30 @@ class UpdateChecks:
         with torch.no_grad():
             before = _norms64(params)
             grad_norms = fp32_norms(grads)
-        self._before[id(optimizer)] = (step, names, grad_norms, before, params)
+        self._before[id(optimizer)] = (step, keys, grad_norms, before, params)
 
     @guarded("update_checks.optimizer")
     def _on_optimizer_post(self, optimizer: Any) -> None:
         entry = self._before.pop(id(optimizer), None)
         if entry is None:
             return
-        step, names, grad_norms, before, params = entry
+        step, keys, grad_norms, before, params = entry
         with torch.no_grad():
             after = _norms64(params)
             # Compared on the device in float64: the deferred read brings float32 back,
             # which would hide a small update of a big tensor.
             moved = (torch.stack(after) != torch.stack(before)).float()
-        n = len(names)
+        n = len(keys)
         key = id(optimizer)
 
-        def consume(values: Optional[list[float]], step=step, names=names, n=n, key=key) -> None:
+        def consume(values: Optional[list[float]], step=step, keys=keys, n=n, key=key) -> None:
             if values is None:
                 return  # given up (a capture, or the device fell far behind): this step says nothing
             grads, changed = values[:n], values[n:2 * n]
-            still = frozenset(name for name, g, c in zip(names, grads, changed) if g > 0 and c == 0)
+            if len(self._moved) > 1_000_000:
+                self._moved.clear()  # bounded: a run that keeps building new tensors
+            self._moved.update(k for k, c in zip(keys, changed) if c != 0)
+            still = frozenset(k[0] for k, g, c in zip(keys, grads, changed) if g > 0 and c == 0 and k not in self._moved)
             self._note_unchanged(key, step, still)
 
         self.reader.submit(list(grad_norms) + [moved], consume)

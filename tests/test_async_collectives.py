@@ -45,6 +45,7 @@ def finish(works, how):
             w.wait()
 
 
+torch.manual_seed(100 + rank)  # each rank's own batches (the same on every rank is duplicate_data)
 for step in range(60):
     opt.zero_grad()
     loss = model(torch.randn(8, 16)).pow(2).mean()

@@ -263,3 +263,59 @@ def test_without_ddp_an_oom_that_ends_the_rank_is_oom_with_its_snapshot(tmp_path
     assert "out of device memory" in oom["summary"], oom["summary"]
     assert oom["evidence"]["snapshot_summary"], "the snapshot taken when the rank ended is in the evidence"
     assert len(job.verdicts()) == 1, [(v["kind"], v["ranks"]) for v in job.verdicts()]
+
+
+_FSDP2 = """
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 64), torch.nn.GELU(),
+                            torch.nn.Linear(64, 1))
+for layer in model:
+    if isinstance(layer, torch.nn.Linear):
+        fully_shard(layer, mesh=mesh)
+fully_shard(model, mesh=mesh)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+"""
+
+
+def test_fsdp2_a_gradient_only_nan_is_named_on_its_rank_before_the_reduce_scatter(tmp_path):
+    """fully_shard on CPU: the NaN enters rank 1's backward at step 5 (a hook
+    on an activation: the loss stays finite everywhere) and FSDP's
+    reduce-scatter spreads it to every rank's shard. The local gradients,
+    seen on FSDP's unsharded parameters before the reduce-scatter, name rank 1."""
+    script = _script(tmp_path, "fsdp2_nan.py", prelude=_FSDP2, body="""
+        def poison(grad):
+            return grad * float("nan") if rank == 1 and step == 5 else grad
+        def watch(module, args, out):
+            out.register_hook(poison)  # returns None: the output is unchanged
+        model[1].register_forward_hook(watch)
+        for step in range(12):
+            loss = model(torch.randn(8, 16)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        """)
+    job = run_job(tmp_path, ["--nproc-per-node", "3", str(script)])
+    nonfinite = job.only("nonfinite")
+    assert (nonfinite["ranks"], nonfinite["step"]) == ([1], 5), nonfinite["summary"]
+    assert nonfinite["evidence"]["source"] == "local_gradients", nonfinite["evidence"]
+    assert nonfinite["evidence"]["parameters"] == ["0.weight"] or "0.weight" in nonfinite["evidence"]["parameters"]
+    assert len(job.verdicts()) == 1, job.verdicts()
+
+
+def test_fsdp2_a_slow_device_is_a_straggler(tmp_path):
+    script = _script(tmp_path, "fsdp2_slow.py", prelude=_FSDP2, body="""
+        if rank == 1:
+            double.extra_s = 0.06
+        for step in range(60):
+            model(torch.randn(32, 16)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        """)
+    job = run_job(tmp_path, ["--nproc-per-node", "3", str(script)])
+    assert job.exit_code == 0, job.output[-3000:]
+    straggler = job.only("straggler")
+    assert straggler["ranks"] == [1], straggler["summary"]
+    assert all(v["kind"] == "straggler" for v in job.verdicts()), job.verdicts()
