@@ -101,3 +101,16 @@ def wait_until(predicate, timeout: float, interval: float = 0.05, what: str = "c
 @pytest.fixture
 def train_script() -> Path:
     return TRAIN
+
+
+@pytest.fixture(scope="module")
+def world():
+    """A gloo world of size 1 in this test process (the agent attached in
+    process); one per test module."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this test process")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

@@ -18,7 +18,6 @@ One process, a gloo world of size 1, the agent attached in process.
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -31,21 +30,6 @@ from rankwatch.agent import safety
 from rankwatch.agent.runtime import Agent
 
 pytest.importorskip("torch._dynamo")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def world():
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this test process")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.fixture

@@ -13,13 +13,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from rankwatch import config as config_mod
@@ -29,21 +27,6 @@ from rankwatch.agent import safety
 from rankwatch.agent.runtime import Agent
 
 DATA = Path(__file__).resolve().parent / "data"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def world():
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this test process")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.fixture

@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 from pathlib import Path
 
-import pytest
 import torch
 import torch.distributed as dist
 
@@ -28,21 +26,6 @@ from rankwatch.agent.collectives import CollectiveTracker, fr_environment, timeo
 from rankwatch.bundles import pack, unpack
 
 DATA = Path(__file__).resolve().parent / "data" / "nccl_flight_recorder"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def world():
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this test process")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _nccl_dump(rank: int):

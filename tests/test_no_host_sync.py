@@ -22,12 +22,10 @@ from __future__ import annotations
 
 import collections
 import os
-import socket
 import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -97,21 +95,6 @@ class HostReads:
     def __exit__(self, *exc):
         for mode in reversed(self._modes):
             mode.__exit__(*exc)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def world():
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this test process")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 STEPS = 12
