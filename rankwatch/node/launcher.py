@@ -605,6 +605,8 @@ def _announce_page(run_id: str, collector_url: str, embedded: Any, server: Any, 
                  f"rankwatch collector link --url {collector_url.rstrip('/')} --run {run_id})")
             return
         if server is not None:
+            if make_known is not None:
+                make_known()  # in this process: at once
             sessions = server.routes.pages.sessions
             if not server.routes.token:
                 _say(f"page: {collector_url}/runs/{run_id}")
@@ -614,8 +616,6 @@ def _announce_page(run_id: str, collector_url: str, embedded: Any, server: Any, 
                 code, ttl = sessions.mint(f"/runs/{run_id}")
                 return f"{collector_url}/login/{code} (one-time link, valid {int(ttl // 60)} min)"
 
-            if make_known is not None:
-                make_known()
             _say(f"page: {link()}")
             if embedded is not None:
                 embedded.on_verdict.append(lambda rid, verdict: rid == run_id and _say(f"page: {link()}"))
