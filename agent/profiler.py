@@ -1,7 +1,21 @@
 """Profiler evidence on request: a short torch.profiler trace (a few steps,
 Chrome-trace format) and a per-operation summary, sent in a bundle. The
 collector asks the slow rank and one healthy rank for one after a straggler
-verdict and compares them."""
+verdict and compares them.
+
+torch's profiler is driven from the training thread only: started, stopped
+and its results read (``key_averages``, the Chrome trace) there, at a step
+end; only packing and sending go to a thread. Reading a ``with_stack``
+profile's results in another thread while the training thread runs ops and
+gloo collectives is not safe in torch 2.13: a plain torchrun DDP loop (no
+rankwatch) that profiled 3 steps of every 5 and read each profile in a
+thread ended in ``std::bad_alloc`` out of ``_disable_profiler`` on every
+rank; read on the training thread, the same loop ran clean (60 profiles a
+rank). In CI a rank asked for a profile after a straggler verdict died of
+SIGSEGV at that step end, its fatal-signal dump cut off in the newest Python
+thread. Reading takes tens of ms for a few steps of a small model
+(key_averages ~20-80 ms here), once per straggler incident, on the two
+ranks asked."""
 
 from __future__ import annotations
 
@@ -59,22 +73,31 @@ class StepProfiler:
                 profile, self._profile = self._profile, None
                 command, self._requested = self._requested, None
                 profile.stop()
-                threading.Thread(target=self._ship, args=(profile, command), daemon=True).start()
+                summary, trace = read_results(profile)  # here, not in a thread: see the module's docstring
+                threading.Thread(target=self._ship, args=(summary, trace, command), name="rankwatch-profile",
+                                 daemon=True).start()
 
-    def _ship(self, profile, command: Command) -> None:
+    def _ship(self, summary: dict[str, Any], trace: bytes, command: Command) -> None:
         try:
-            members: dict[str, Any] = {"profile_summary.json": summarize(profile)}
-            with tempfile.TemporaryDirectory() as tmp:
-                path = os.path.join(tmp, "trace.json")
-                profile.export_chrome_trace(path)
-                with open(path, "rb") as f:
-                    members["profile_trace.json.gz"] = gzip.compress(f.read())
+            members: dict[str, Any] = {"profile_summary.json": summary,
+                                       "profile_trace.json.gz": gzip.compress(trace)}
             from . import bundle as bundle_mod
 
             archive = bundle_mod.build(self.agent, "profile", command.incident, extra_members=members)
             bundle_mod.deliver(self.agent, archive, command.incident)
         except Exception as exc:
             log(f"profiler trace failed: {type(exc).__name__}: {exc}")
+
+
+def read_results(profile) -> tuple[dict[str, Any], bytes]:
+    """The summary and the Chrome trace (JSON bytes) of a stopped profile."""
+    summary = summarize(profile)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        profile.export_chrome_trace(path)
+        with open(path, "rb") as f:
+            trace = f.read()
+    return summary, trace
 
 
 def summarize(profile, top: int = 40) -> dict[str, Any]:

@@ -35,6 +35,40 @@ def test_slow_rank_is_a_straggler_with_profiler_evidence(tmp_path, train_script)
     assert len(job.verdicts()) == 1
 
 
+
+def test_a_requested_profile_is_read_on_the_training_thread(monkeypatch):
+    """torch's profiler is started, stopped and read on the thread that steps
+    the optimizer; only the finished summary and trace go to a thread to be
+    sent (read in a thread while the job runs ops, a with_stack profile broke
+    the process: agent/profiler.py)."""
+    import threading
+    from types import SimpleNamespace
+
+    from rankwatch.agent import profiler as profiler_mod
+
+    readers, shipped = [], []
+    real_summarize = profiler_mod.summarize
+    real_export = torch.profiler.profile.export_chrome_trace
+    monkeypatch.setattr(profiler_mod, "summarize",
+                        lambda p, **kw: readers.append(threading.get_ident()) or real_summarize(p, **kw))
+    monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace",
+                        lambda self, path: readers.append(threading.get_ident()) or real_export(self, path))
+    agent = SimpleNamespace(progress=SimpleNamespace(step_extras=[]))
+    step_profiler = profiler_mod.StepProfiler(agent)
+    monkeypatch.setattr(step_profiler, "_ship", lambda summary, trace, command: shipped.append((summary, trace)))
+    step_profiler.on_command(wire.Command(kind="action", incident="profile-1", reason="straggler",
+                                          details={"action": "profile", "steps": 2}))
+    model = torch.nn.Linear(8, 8)
+    for _ in range(3):
+        model(torch.randn(4, 8)).sum().backward()
+        step_profiler._on_step_end(None)
+    deadline = time.time() + 10
+    while not shipped and time.time() < deadline:
+        time.sleep(0.01)
+    assert readers and set(readers) == {threading.get_ident()}, "results read off the training thread"
+    summary, trace = shipped[0]
+    assert summary["operations"] and json.loads(trace)["traceEvents"]
+
 def test_leaking_rank_is_memory_growth(tmp_path, train_script):
     job = run_job(tmp_path, ["--nproc-per-node", "2", str(train_script), "--steps", "40",
                              "--fault", "leak", "--fault-rank", "0", "--fault-step", "0", "--fault-size", "20"])

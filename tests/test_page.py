@@ -555,3 +555,36 @@ def test_a_link_for_a_reachable_collector_never_goes_to_a_log(capsys, monkeypatc
     assert "/login/" not in err
     assert ("page: http://collector.example:8765/runs/job-1 (open it in a browser with a one-time link: "
             "rankwatch collector link --url http://collector.example:8765 --run job-1)") in err
+
+
+def test_the_printed_link_opens_the_runs_page_before_any_worker_has_started(tmp_path, capsys):
+    """`rankwatch run` prints the link before torchrun starts the workers, and
+    a person may open it at once: the page is the run's (live), not "No such
+    run" (a page that would never update)."""
+    import http.cookiejar
+
+    from rankwatch.collector.embedded import InProcessClient, start_embedded
+    from rankwatch.config import Config
+    from rankwatch.node import launcher
+    from rankwatch.node.supervisor import NodeSupervisor
+
+    config = Config()
+    config.token = "t" * 32
+    embedded, server = start_embedded(config, tmp_path)
+    try:
+        remote = InProcessClient(server.routes, server.url)
+        # Not started: no report of its loop, only the one before the link.
+        supervisor = NodeSupervisor(run_id="job-1", run_dir=tmp_path, post=remote.post, node_rank=0, world_size=0,
+                                    on_hang="abort", hang_timeout=60.0)
+        launcher._announce_page("job-1", server.url, embedded, server, remote, make_known=supervisor.report_now)
+        link = re.search(r"page: (http://\S+/login/\S+)", capsys.readouterr().err).group(1)
+        opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(http.cookiejar.CookieJar()))
+        with opener.open(link, timeout=10) as r:
+            target = re.search(r'url=(/runs/[^"]+)"', r.read().decode()).group(1)
+        with opener.open(server.url + target, timeout=10) as r:
+            status, page = r.status, r.read().decode()
+        assert status == 200
+        assert 'id="rw-live"' in page and "job-1" in page
+    finally:
+        server.stop()
+        embedded.stop()

@@ -76,17 +76,34 @@ class Visit:
         self.page = self.context.new_page()
         self.errors: list[str] = []
         self.requests: list[str] = []
+        self.refused: list[str] = []  # answers of 400 and more (an expected 401 or 403 too)
         self.page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
         self.page.on("pageerror", lambda exc: self.errors.append(str(exc)))
         self.page.on("request", lambda r: self.requests.append(r.url))
+        self.page.on("response", lambda r: self.refused.append(f"{r.status} {r.url}") if r.status >= 400 else None)
         if offline:
             self.page.route("**/*", lambda route: route.continue_() if route.request.url.startswith("file:")
                             else route.abort())
 
     def open_file(self, path: Path):
         self.page.goto(path.as_uri(), wait_until="load")
-        self.page.wait_for_selector("html[data-rw-ready]", state="attached", timeout=20_000)
+        self.wait_ready()
         return self.page
+
+    def wait_ready(self, timeout_ms: int = 20_000) -> None:
+        """Until the page's script has drawn it; a timeout says what the page
+        showed instead, its errors and its refused requests."""
+        from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+        try:
+            self.page.wait_for_selector("html[data-rw-ready]", state="attached", timeout=timeout_ms)
+        except PlaywrightTimeout:
+            try:
+                shown = f"{self.page.title()!r}: {self.page.locator('body').inner_text(timeout=2_000)[:600]!r}"
+            except Exception as exc:
+                shown = f"(unreadable: {type(exc).__name__}: {exc})"
+            raise AssertionError(f"the page at {self.page.url} was not ready after {timeout_ms / 1000:.0f} s; "
+                                 f"it shows {shown}; errors {self.errors}; refused {self.refused}") from None
 
     def shot(self, folder: Path, name: str) -> Path:
         path = folder / f"{name}.png"
@@ -240,7 +257,7 @@ def test_the_live_page_of_a_running_job_needs_the_printed_link(browser, tmp_path
         try:
             visit.page.goto(link)
             visit.page.wait_for_url(f"{base}/runs/{run_id}", timeout=10_000)  # the code is left behind
-            visit.page.wait_for_selector("html[data-rw-ready]", state="attached", timeout=20_000)
+            visit.wait_ready()
             assert visit.page.locator("#rw-live").is_visible()
             card = visit.page.locator("article.verdict.kind-hang .culprits")
             card.wait_for(timeout=60_000)  # the live page refreshes until the verdict is there

@@ -22,7 +22,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from rankwatch import config as config_mod
 from rankwatch import wire
@@ -290,7 +290,7 @@ def run(argv: list[str]) -> int:
     supervisor.start()
     _say(f"run {run_id}: collector {collector_url}{' (embedded)' if embedded else ''}, run dir {run_dir}"
          + (f", metrics {collector_url}/metrics" if embedded else ""))
-    _announce_page(run_id, collector_url, embedded, server, remote)
+    _announce_page(run_id, collector_url, embedded, server, remote, make_known=supervisor.report_now)
 
     exit_code = 0
     interrupted = False
@@ -571,19 +571,27 @@ def _node_state(run_id: str, run_dir: Path) -> Any:
     return run if run.run_id == run_id else None
 
 
-def _announce_page(run_id: str, collector_url: str, embedded: Any, server: Any, remote: Any) -> None:
+def _announce_page(run_id: str, collector_url: str, embedded: Any, server: Any, remote: Any,
+                   make_known: Optional[Callable[[], None]] = None) -> None:
     """Print a one-time link to the run's live page (the token never goes in
     a URL); the embedded collector prints a fresh one with each verdict.
 
     A link is a credential for its 10 minutes: it is printed where only this
     machine can use it (a collector on loopback) or to a person (a terminal),
-    never into a log a collector reachable from elsewhere would honour."""
+    never into a log a collector reachable from elsewhere would honour.
+
+    ``make_known`` (the node supervisor's first report) runs before a link is
+    printed: the collector learns of a run from its reports, and a link opened
+    at once would otherwise show "No such run", a page that never updates
+    (workers take seconds to start and beat)."""
     try:
         if not (_loopback(collector_url) or sys.stderr.isatty()):
             _say(f"page: {collector_url.rstrip('/')}/runs/{run_id} (open it in a browser with a one-time link: "
                  f"rankwatch collector link --url {collector_url.rstrip('/')} --run {run_id})")
             return
         if server is not None:
+            if make_known is not None:
+                make_known()  # in this process: at once
             sessions = server.routes.pages.sessions
             if not server.routes.token:
                 _say(f"page: {collector_url}/runs/{run_id}")
@@ -601,6 +609,8 @@ def _announce_page(run_id: str, collector_url: str, embedded: Any, server: Any, 
                              timeout=5)
         if isinstance(answer, dict) and isinstance(answer.get("path"), str) and answer["path"].startswith("/login/"):
             minutes = int(float(answer.get("expires_in_s") or 600) // 60)
+            if make_known is not None:
+                make_known()  # the collector answered: one quick report
             _say(f"page: {collector_url.rstrip('/')}{answer['path']} (one-time link, valid {minutes} min)")
     except Exception:
         pass  # an older collector without pages: the run goes on, report.html is written at the end

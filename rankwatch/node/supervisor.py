@@ -133,6 +133,12 @@ class NodeSupervisor:
         self._thread = threading.Thread(target=self._loop, name="rankwatch-supervisor", daemon=True)
         self._thread.start()
 
+    def report_now(self) -> None:
+        """One report at once (the loop's first comes an interval after
+        start): the collector knows the run from then on, so its page is
+        there before the workers have started. Never raises."""
+        self._report()
+
     def stop(self) -> None:
         self._stop.set()
         if self._thread:
