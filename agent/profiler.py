@@ -59,11 +59,9 @@ class StepProfiler:
 
             if torch.cuda.is_available():
                 activities.append(tp.ProfilerActivity.CUDA)
-            # No with_stack: it turns on torch's Python tracer, which registers with every
-            # thread's state; a thread that ends while it runs (an upload, a data loader's
-            # pin-memory thread, the script's own) crashed ranks with SIGSEGV on torch 2.13.
-            # The summary needs the ops only.
-            self._profile = tp.profile(activities=activities, with_stack=False, record_shapes=False)
+            # with_stack: the Python functions (a time.sleep, a slow collate) are what the
+            # comparison with a healthy rank names; safe read on this thread (see above).
+            self._profile = tp.profile(activities=activities, with_stack=True, record_shapes=False)
             self._profile.start()
             self._steps_left = max(1, min(MAX_STEPS, int(self._requested.details.get("steps", 3))))
             return
