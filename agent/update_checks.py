@@ -223,7 +223,9 @@ class UpdateChecks:
             self._recheck_until = step + 2  # the model or its optimizers changed: look again
         if self._checking(step):
             self._check_orphans(step)
-            self._arm_stale_watch(step)
+        # Every step (a few sampled elements of two gradients): clearing can stop mid-run
+        # (a refactor, a patched zero_grad), and the verdict is due within 2 steps.
+        self._arm_stale_watch(step)
         self._zeroed = False
 
     def _check_orphans(self, step: int) -> None:
@@ -326,18 +328,24 @@ class UpdateChecks:
 
     def _judge_stale(self) -> None:
         """Once the device values are read: the same non-zero values at the next
-        step's first backward, and no clearing before its optimizer step."""
-        if any(not w["cleared"] and (w["before"] is None or w["seen"] is None) for w in self._closed):
-            return  # a device read not back yet
-        closed, self._closed = self._closed, []
-        if not closed:
-            return
-        stale = [not w["cleared"] and any(v != 0 for v in w["before"]) and list(w["seen"]) == list(w["before"])
-                 for w in closed]
-        if all(stale):
-            self._report("grads_not_cleared", min(w["applied_at"] for w in closed),
-                         parameters=sorted({w["name"] for w in closed}),
-                         checked_after_step=min(w["step"] for w in closed))
+        step's first backward, and no clearing before its optimizer step. Judged
+        per armed step, oldest first, each once all of its reads are in (a
+        watch is armed every step: later ones may still be in flight)."""
+        by_step: dict[int, list[dict[str, Any]]] = {}
+        for w in self._closed:
+            by_step.setdefault(w["step"], []).append(w)
+        waiting: list[dict[str, Any]] = []
+        for armed in sorted(by_step):
+            closed = by_step[armed]
+            if waiting or any(not w["cleared"] and (w["before"] is None or w["seen"] is None) for w in closed):
+                waiting.extend(closed)  # a device read not back yet (kept in order)
+                continue
+            stale = [not w["cleared"] and any(v != 0 for v in w["before"]) and list(w["seen"]) == list(w["before"])
+                     for w in closed]
+            if all(stale):
+                self._report("grads_not_cleared", min(w["applied_at"] for w in closed),
+                             parameters=sorted({w["name"] for w in closed}), checked_after_step=armed)
+        self._closed = waiting
 
     def _disarm(self) -> None:
         for watch in self._watch:
