@@ -49,6 +49,21 @@ class StepProfiler:
             self._done.add(command.incident)
             self._requested = command  # started by the training thread at the next step end
 
+    def flush(self) -> None:
+        """At the rank's exit (Agent.shutdown, atexit): a profile still
+        running is stopped and dropped. Left running, torch's Python tracer
+        is torn down with the interpreter while still registered and the
+        process dies with SIGSEGV ("PythonTracer::stop() was not called"): a
+        profile requested near the end of training turned a good job into
+        exit code -11 (CI, torch 2.13)."""
+        profile, self._profile = self._profile, None
+        self._requested = None
+        if profile is not None:
+            try:
+                profile.stop()
+            except Exception:
+                pass
+
     @guarded("profiler")
     def _on_step_end(self, record: StepRecord) -> None:
         if self._profile is None and self._requested is not None:

@@ -6,6 +6,7 @@ import io
 import json
 import subprocess
 import sys
+import textwrap
 import time
 from contextlib import redirect_stdout
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_job
+from conftest import run_job, free_port
 from rankwatch import wire
 from rankwatch.bundles import pack
 from rankwatch.memory_snapshot import summarize
@@ -68,6 +69,37 @@ def test_a_requested_profile_is_read_on_the_training_thread(monkeypatch):
     assert readers and set(readers) == {threading.get_ident()}, "results read off the training thread"
     summary, trace = shipped[0]
     assert summary["operations"] and json.loads(trace)["traceEvents"]
+
+def test_a_profile_still_running_when_the_rank_exits_does_not_crash_it(tmp_path):
+    """A profile requested near the end of training is still running when
+    the script returns: torch's Python tracer torn down with the interpreter
+    crashed the process (SIGSEGV, exit -11, a good job failed in CI). The
+    agent stops it at exit."""
+    script = tmp_path / "profile_at_exit.py"
+    script.write_text(textwrap.dedent("""
+        import os
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}", RANK="0", WORLD_SIZE="1")
+        import torch
+        from rankwatch import config, wire
+        from rankwatch.agent.profiler import StepProfiler
+        from rankwatch.agent.runtime import Agent
+        agent = Agent(config.Config(), wire.RankIdentity(run_id="p", rank=0, local_rank=0, world_size=1), None)
+        agent.install()
+        agent.watch_exit()  # as rankwatch.agent.attach() does (the bootstrap shuts down the same way)
+        profiler = next(e for e in agent.extensions if isinstance(e, StepProfiler))
+        profiler.on_command(wire.Command(kind="action", incident="profile-1", reason="straggler",
+                                         details={{"action": "profile", "steps": 10}}))
+        model = torch.nn.Linear(8, 8)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+        assert profiler._profile is not None, "the profile runs as the script ends"
+        print("script done", flush=True)
+        """).format(port=free_port()))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "script done" in proc.stdout, (proc.returncode, proc.stderr[-2000:])
+
 
 def test_leaking_rank_is_memory_growth(tmp_path, train_script):
     job = run_job(tmp_path, ["--nproc-per-node", "2", str(train_script), "--steps", "40",
