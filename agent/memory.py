@@ -75,15 +75,41 @@ class MemoryTracker:
         self.adapter = None
         self.observer_attached = False
         self.pending_oom: Optional[dict[str, Any]] = None  # noted by the observer, judged later
+        # Host memory rankwatch itself took (a profile requested by the collector: torch's
+        # profiler and reading its results keep tens of MiB that glibc does not give back).
+        # The job's RSS is reported without it, and not at all while such work runs: the
+        # ranks asked for a profile after a straggler verdict were called leaking otherwise.
+        self.own_rss_bytes = 0
+        self._own_since: Optional[int] = None
         agent.progress.step_extras.append(self._on_step_end)
 
     @property
     def cuda_ready(self) -> bool:  # older name
         return self.device is not None
 
+    def own_work_started(self) -> None:
+        """rankwatch starts work that takes host memory (a profile): until
+        `own_work_ended`, steps report no RSS."""
+        if self._own_since is None:
+            self._own_since = rss_bytes()
+
+    def own_work_ended(self) -> None:
+        """The growth of RSS since `own_work_started` is rankwatch's, from now
+        on subtracted from the job's. (A job's own allocations in those few
+        steps are counted as rankwatch's: a steady leak still shows in the
+        steps after.)"""
+        since, self._own_since = self._own_since, None
+        now = rss_bytes()
+        if since is not None and now is not None:
+            self.own_rss_bytes += max(0, now - since)
+
     @guarded("memory.step")
     def _on_step_end(self, record: StepRecord) -> None:
-        record.rss_bytes = rss_bytes()
+        rss = rss_bytes()
+        if self._own_since is not None or rss is None:
+            record.rss_bytes = None  # rankwatch's own work is running: not the job's memory
+        else:
+            record.rss_bytes = max(0, rss - self.own_rss_bytes)
         if self.device is not None:
             stats = self.adapter.memory_stats(self.device)  # one read of the allocator's counters
             if stats is not None:

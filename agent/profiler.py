@@ -63,6 +63,7 @@ class StepProfiler:
                 profile.stop()
             except Exception:
                 pass
+            self._own_memory("own_work_ended")
 
     @guarded("profiler")
     def _on_step_end(self, record: StepRecord) -> None:
@@ -76,6 +77,7 @@ class StepProfiler:
                 activities.append(tp.ProfilerActivity.CUDA)
             # with_stack: the Python functions (a time.sleep, a slow collate) are what the
             # comparison with a healthy rank names; safe read on this thread (see above).
+            self._own_memory("own_work_started")
             self._profile = tp.profile(activities=activities, with_stack=True, record_shapes=False)
             self._profile.start()
             self._steps_left = max(1, min(MAX_STEPS, int(self._requested.details.get("steps", 3))))
@@ -90,7 +92,19 @@ class StepProfiler:
                 threading.Thread(target=self._ship, args=(summary, trace, command), name="rankwatch-profile",
                                  daemon=True).start()
 
+    def _own_memory(self, which: str) -> None:
+        """The profile's host memory is rankwatch's, not the job's (agent/memory.py)."""
+        memory = getattr(self.agent, "memory", None)
+        if memory is not None:
+            getattr(memory, which)()
+
     def _ship(self, summary: dict[str, Any], trace: bytes, command: Command) -> None:
+        try:
+            self._ship_bundle(summary, trace, command)
+        finally:
+            self._own_memory("own_work_ended")
+
+    def _ship_bundle(self, summary: dict[str, Any], trace: bytes, command: Command) -> None:
         try:
             members: dict[str, Any] = {"profile_summary.json": summary,
                                        "profile_trace.json.gz": gzip.compress(trace)}

@@ -12,6 +12,14 @@ then every CHECK_EVERY steps), each reported once as an event:
   after the optimizer stepped (a float64 norm before and after: any update
   of any element shows), on two checked steps in a row. A GradScaler step
   skipped for an overflow never calls the optimizer, so it is never seen.
+  Unchanged is evidence only where the optimizer's own update would have
+  changed the tensor: the expected update of each element (`expected_update`:
+  from the optimizer's state after the step — Adam's lr·m̂/(√v̂+eps), SGD's
+  lr·momentum buffer, or lr·grad) must be at least UPDATE_EVIDENCE times the
+  element's float resolution (ulp) somewhere in the tensor. A smaller update
+  rounds away in a healthy step (a conv bias before BatchNorm: its gradient
+  is ~1e-8), so such a tensor is not judged; it is listed in an
+  `update_unjudged` event (the report's notes), once.
 - `grads_not_cleared`: the gradient a parameter held when the optimizer
   stepped is still there, unchanged, when the next step's first backward
   adds to it, and no ``zero_grad`` ran before that step (accumulation
@@ -51,6 +59,11 @@ CHECK_EVERY = 64
 MAX_NAMES = 16
 SAMPLE_PARAMS = 2
 SAMPLE_ELEMENTS = 8
+# An element whose expected update is at least this many ulps must change: round
+# to nearest keeps a value only for an update below half an ulp, and the estimate
+# (the optimizer's state after the step) is exact for SGD and Adam-like optimizers
+# up to their variants' small terms (nesterov, amsgrad, weight decay).
+UPDATE_EVIDENCE = 4.0
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -148,7 +161,7 @@ class UpdateChecks:
         self._stale_at_step(optimizer, step)
         if not self._checking(step) or "not_updated" in self.reported:
             return
-        names, params, grads = [], [], []
+        names, params, grads, owners = [], [], [], []
         keys: list[tuple[str, int]] = []
         for group in getattr(optimizer, "param_groups", []):
             if not _lr_positive(group):
@@ -166,6 +179,7 @@ class UpdateChecks:
                 keys.append((names[-1], id(p)))
                 params.append(local(p.detach()))
                 grads.append(local(g.detach()))
+                owners.append((p, group))
                 if len(params) >= 4096:
                     break
         if not params:
@@ -173,33 +187,50 @@ class UpdateChecks:
         with torch.no_grad():
             before = _norms64(params)
             grad_norms = fp32_norms(grads)
-        self._before[id(optimizer)] = (step, keys, grad_norms, before, params)
+        self._before[id(optimizer)] = (step, keys, grad_norms, before, params, grads, owners)
 
     @guarded("update_checks.optimizer")
     def _on_optimizer_post(self, optimizer: Any) -> None:
         entry = self._before.pop(id(optimizer), None)
         if entry is None:
             return
-        step, keys, grad_norms, before, params = entry
+        step, keys, grad_norms, before, params, grads, owners = entry
         with torch.no_grad():
             after = _norms64(params)
             # Compared on the device in float64: the deferred read brings float32 back,
             # which would hide a small update of a big tensor.
             moved = (torch.stack(after) != torch.stack(before)).float()
+            evidence = [_update_in_ulps(optimizer, p, group, param, grad)
+                        for (p, group), param, grad in zip(owners, params, grads)]
+            evidence = torch.stack([e.to(device=moved.device, dtype=torch.float32) for e in evidence])
         n = len(keys)
         key = id(optimizer)
 
         def consume(values: Optional[list[float]], step=step, keys=keys, n=n, key=key) -> None:
             if values is None:
                 return  # given up (a capture, or the device fell far behind): this step says nothing
-            grads, changed = values[:n], values[n:2 * n]
+            grads, changed, ulps = values[:n], values[n:2 * n], values[2 * n:3 * n]
             if len(self._moved) > 1_000_000:
                 self._moved.clear()  # bounded: a run that keeps building new tensors
             self._moved.update(k for k, c in zip(keys, changed) if c != 0)
-            still = frozenset(k[0] for k, g, c in zip(keys, grads, changed) if g > 0 and c == 0 and k not in self._moved)
+            unchanged = [(k, u) for k, g, c, u in zip(keys, grads, changed, ulps)
+                         if g > 0 and c == 0 and k not in self._moved]
+            still = frozenset(k[0] for k, u in unchanged if u >= UPDATE_EVIDENCE)
+            self._note_unjudged(step, [(k[0], u) for k, u in unchanged if not u >= UPDATE_EVIDENCE])
             self._note_unchanged(key, step, still)
 
-        self.reader.submit(list(grad_norms) + [moved], consume)
+        self.reader.submit(list(grad_norms) + [moved, evidence], consume)
+
+    def _note_unjudged(self, step: int, below: list[tuple[str, float]]) -> None:
+        """Unchanged tensors whose expected update is below their resolution: a
+        healthy step leaves them as they are, so not_updated cannot judge them
+        (said once, in the report's notes)."""
+        if not below or "update_unjudged" in self.reported:
+            return
+        self.reported.add("update_unjudged")
+        below.sort()
+        self.agent.record_event("update_unjudged", step=step, parameters=[n for n, _ in below[:MAX_NAMES]],
+                                count=len(below), largest_update_ulps=max(float(u) for _, u in below))
 
     def _note_unchanged(self, key: int, step: int, still: frozenset) -> None:
         previous = self._unchanged.get(key)
@@ -363,6 +394,65 @@ def _sample_index(grad: torch.Tensor) -> torch.Tensor:
     count = min(SAMPLE_ELEMENTS, n)
     positions = sorted({(i * (n - 1)) // max(1, count - 1) for i in range(count)})
     return torch.tensor(positions, dtype=torch.int64, device=grad.device)
+
+
+def _update_in_ulps(optimizer: Any, param: torch.Tensor, group: dict, value: torch.Tensor,
+                    grad: torch.Tensor) -> torch.Tensor:
+    """The largest expected update of any element of ``param`` in this step,
+    in units of that element's float resolution (ulp), as a 0-d device tensor
+    (no sync). The expected update comes from the optimizer's own state after
+    the step: Adam-like (exp_avg, exp_avg_sq): lr·|m̂|/(√v̂+eps); a momentum
+    buffer: lr·|buf|; RMSprop/Adagrad (square_avg, sum): lr·|g|/(√s+eps);
+    no state (plain SGD and custom steps): lr·|g|. Any other state (Lion,
+    Adafactor, ...): min(lr·|g|, lr), the smaller of a plain and a
+    normalised step (those optimizers' updates are of the order of lr). A
+    learning rate that is not a number: 0 (cannot judge)."""
+    zero = torch.zeros((), device=value.device)
+    lr = group.get("lr")
+    if isinstance(lr, torch.Tensor):
+        lr = lr.detach().to(device=value.device, dtype=torch.float64)
+    else:
+        try:
+            lr = float(lr)
+        except (TypeError, ValueError):
+            return zero
+    state = optimizer.state.get(param, {}) if isinstance(getattr(optimizer, "state", None), dict) else {}
+    eps = group.get("eps", 1e-8)
+    eps = eps[0] if isinstance(eps, (tuple, list)) else eps
+    eps = float(eps) if isinstance(eps, (int, float)) else 1e-8
+    dtype = torch.float64 if value.dtype == torch.float64 else torch.float32
+
+    def state_of(name: str) -> Optional[torch.Tensor]:
+        t = state.get(name)
+        if isinstance(t, torch.Tensor) and t.numel() == value.numel():
+            return local(t.detach()).to(dtype).reshape(value.shape)
+        return None
+
+    g = grad.to(dtype).abs().reshape(value.shape)
+    m, v = state_of("exp_avg"), state_of("exp_avg_sq")
+    if m is not None and v is not None:
+        betas = group.get("betas", (0.9, 0.999))
+        t = state.get("step", 1)
+        t = t.detach().to(device=value.device, dtype=torch.float64) if isinstance(t, torch.Tensor) \
+            else torch.tensor(float(t), dtype=torch.float64, device=value.device)
+        c1 = (1 - torch.pow(float(betas[0]), t)).clamp_min(1e-12).to(dtype)
+        c2 = (1 - torch.pow(float(betas[1]), t)).clamp_min(1e-12).to(dtype)
+        update = (m.abs() / c1) / ((v / c2).sqrt() + eps)
+    elif (buf := state_of("momentum_buffer")) is not None:
+        update = buf.abs()
+    elif (square := state_of("square_avg")) is not None:
+        update = g / (square.sqrt() + eps)
+    elif (total := state_of("sum")) is not None:
+        update = g / (total.sqrt() + eps)
+    elif not any(isinstance(t, torch.Tensor) and t.numel() > 1 for t in state.values()):
+        update = g
+    else:
+        update = g.clamp_max(1.0)
+    if not update.numel():
+        return zero
+    magnitude = value.to(dtype).abs()
+    ulp = torch.nextafter(magnitude, torch.full_like(magnitude, float("inf"))) - magnitude
+    return (update * lr / ulp).amax().float()
 
 
 def _norms64(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

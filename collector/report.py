@@ -38,4 +38,12 @@ def notes(run: RunState) -> list[str]:
                 names = event.details.get("parameters") or []
                 out.append(f"parameters that {text} (rank {rank}): {', '.join(map(str, names[:10]))}")
                 break
+    for rank in sorted(run.ranks):
+        event = next((e for e in run.ranks[rank].events if e.kind == "update_unjudged"), None)
+        if event is not None:
+            names = event.details.get("parameters") or []
+            out.append(f"broken_update could not judge parameters whose update is below their float resolution "
+                       f"(rank {rank}, step {event.step}; a healthy step leaves them unchanged): "
+                       f"{', '.join(map(str, names[:10]))}")
+            break
     return out

@@ -199,3 +199,51 @@ def test_waiting_for_a_slow_peer_in_a_per_step_broadcast_is_not_the_waiters_data
     assert all(0 not in v["ranks"] and 2 not in v["ranks"] for v in job.verdicts()), job.verdicts()
     straggler = job.only("straggler")
     assert straggler["ranks"] == [1]
+
+
+def test_memory_a_requested_profile_takes_is_not_the_jobs(monkeypatch):
+    """issue 23: after a straggler verdict the collector asks the slow rank and
+    one healthy rank for a profile; torch's profiler and reading its results
+    keep ~30 MiB of RSS (glibc does not give it back), and the profiled rank
+    was called leaking (`memory_growth` on a rank that only waits). The job's
+    RSS in the step records leaves rankwatch's profile out: no jump."""
+    import os
+    import threading
+
+    import torch.distributed as dist
+
+    from rankwatch import config as config_mod
+    from rankwatch.agent.memory import rss_bytes
+    from rankwatch.agent.runtime import Agent
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+    agent = Agent(config_mod.Config(), wire.RankIdentity(run_id="t", rank=0, local_rank=0, world_size=1), None)
+    agent.install()
+    dist.init_process_group("gloo")
+    try:
+        from rankwatch.agent.profiler import StepProfiler
+
+        profiler = next(e for e in agent.extensions if isinstance(e, StepProfiler))
+        reported, raw = [], []
+        agent.progress.step_extras.append(lambda record: (reported.append(record.rss_bytes), raw.append(rss_bytes())))
+        model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(8)])
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        x = torch.randn(32, 64)
+        for step in range(30):
+            if step == 10:
+                profiler.on_command(wire.Command(kind="action", incident="profile-1", reason="straggler",
+                                                 details={"action": "profile", "steps": 3}))
+            if step == 16:  # read at step 13's end, then packed and sent in a thread
+                shipping = [t for t in threading.enumerate() if t.name == "rankwatch-profile"]
+                for thread in shipping:
+                    thread.join(30)
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+    finally:
+        agent.uninstall()
+        dist.destroy_process_group()
+    before, after = reported[9], [r for r in reported[20:]]
+    assert raw[25] - raw[9] > 8 << 20, "the profile took memory (else this test shows nothing)"
+    assert all(r is not None for r in after)
+    assert max(after) - before < 4 << 20, [(r or 0) >> 20 for r in reported]

@@ -275,3 +275,58 @@ def test_device_path_reports_late_with_the_right_steps(device_agent):
     scale = [(e.step, dict(e.details["facts"]).get("loss_scale")) for e in _events(agent, "train_config")
              if "loss_scale" in dict(e.details["facts"])]
     assert scale and scale[0] == (1, "256"), scale  # the scale of update() after step 0 trains step 1, as on a CPU
+
+
+class ConvBeforeBatchNorm(torch.nn.Module):
+    """Conv2d with bias=True followed by BatchNorm2d, as many tutorials write it:
+    in train mode the BatchNorm removes the batch mean, so the bias's gradient
+    is mathematically zero and numerically ~1e-8."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1, bias=True)
+        self.bn = torch.nn.BatchNorm2d(8)
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.bn(self.conv(x))).mean(dim=(2, 3)))
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda p: torch.optim.SGD(p, lr=0.1),
+    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.0),
+    lambda p: torch.optim.Adam(p, lr=1e-3),
+], ids=["sgd", "sgd_momentum", "adam"])
+def test_an_update_below_the_parameters_resolution_is_no_broken_update(agent, make_optimizer):
+    """issue 23: a healthy CNN got `not_updated` on its conv bias at step 0 on
+    every rank. lr·grad (~1e-9) is below the bias's float32 resolution, so the
+    step leaves it exactly unchanged: that is expected, not a broken optimizer.
+    The check says in the notes that it could not judge it."""
+    torch.manual_seed(0)
+    net = ConvBeforeBatchNorm()
+    with torch.no_grad():
+        net.conv.bias.uniform_(0.25, 1.0)  # a trained bias's size: resolution 3e-8 to 1.2e-7
+    opt = make_optimizer(net.parameters())
+    x, y = torch.randn(16, 3, 8, 8), torch.randint(0, 4, (16,))
+    for step in range(6):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+    assert not _events(agent, "broken_update"), [e.details for e in _events(agent, "broken_update")]
+
+
+def test_an_unjudged_update_is_said_in_the_notes(agent):
+    torch.manual_seed(0)
+    net = ConvBeforeBatchNorm()
+    with torch.no_grad():
+        net.conv.bias.fill_(0.5)  # resolution ~6e-8: the ~1e-9 update of plain SGD rounds away
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x, y = torch.randn(16, 3, 8, 8), torch.randint(0, 4, (16,))
+    for step in range(4):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+    assert not _events(agent, "broken_update")
+    (note,) = _events(agent, "update_unjudged")
+    assert note.details["parameters"] == ["conv.bias"]
+    assert note.details["largest_update_ulps"] < 4
