@@ -24,7 +24,32 @@ def build(run: RunState, verdicts: list[wire.Verdict]) -> wire.Report:
         if vid != v.id:
             ordered[i] = dataclasses.replace(v, id=vid)
     return wire.Report(run_id=run.run_id, world_size=world,
-                       status="faulty" if ordered else "healthy", verdicts=ordered, notes=notes(run))
+                       status="faulty" if ordered else "healthy", verdicts=ordered, notes=notes(run),
+                       margins=margins(run, ordered))
+
+
+def margins(run: RunState, verdicts: list[wire.Verdict]) -> dict[str, dict]:
+    """Each check's worst margin in the run (analyses/common.note_margin): 1.0
+    where it fired (its verdict, or a consequence folded into one), else the
+    largest statistic / threshold seen; checks without a graded statistic
+    are 0.0 until they fire."""
+    from .analyses import ANALYSES, common
+
+    out: dict[str, dict] = {}
+    for module in ANALYSES:
+        check = module.__name__.rsplit(".", 1)[-1]
+        out[check] = {"margin": 0.0, "step": None, "rank": None, "graded": False}
+    for check, worst in common.margins(run).items():
+        out[check] = {**worst, "margin": round(worst["margin"], 4), "graded": True}
+    fired = [(v.kind, v.step, v.ranks) for v in verdicts]
+    for v in verdicts:
+        fired.extend((c.get("kind"), c.get("step"), c.get("ranks")) for c in (v.evidence or {}).get("consequences", [])
+                     if isinstance(c, dict))
+    for kind, step, ranks in fired:
+        if isinstance(kind, str):
+            out[kind] = {**out.get(kind, {"graded": False}), "margin": 1.0, "step": step,
+                         "rank": (ranks or [None])[0]}
+    return out
 
 
 def notes(run: RunState) -> list[str]:

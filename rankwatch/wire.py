@@ -330,6 +330,10 @@ class Report:
     # Observations that are not faults (added to the contract, not changing it):
     # parameters without gradients, always-zero gradients.
     notes: list[str] = field(default_factory=list)
+    # Per check (analysis), how close its statistic came to firing at its worst
+    # moment: {"margin": 0..1 (1.0 = fired), "step", "rank", "graded"}; added to
+    # the contract (docs/contract.md, project section).
+    margins: dict[str, dict] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------

@@ -248,6 +248,30 @@ def register_tracker(name: str, factory) -> None:
     TRACKERS[name] = factory
 
 
+# Margins: how close each check's statistic came to firing, at its worst moment of
+# the run (statistic / what firing needs; 1.0 = it fired). Kept per check as the
+# largest seen, with its step and rank (report.json `margins`, docs/contract.md).
+MARGINS = "_margins"
+
+
+def note_margin(run, check: str, margin: float, step: int, rank: Optional[int]) -> None:
+    """Keep ``margin`` for ``check`` when it is the largest so far. Below 1.0
+    unless the check fired: the caller passes the statistic of a step that
+    did not fire, so it is kept just under 1.0 at most."""
+    if not margin > 0:
+        return
+    margins = run.trackers.get(MARGINS)
+    if margins is None:
+        margins = run.trackers[MARGINS] = {}
+    worst = margins.get(check)
+    if worst is None or margin > worst["margin"]:
+        margins[check] = {"margin": min(float(margin), 0.999), "step": step, "rank": rank}
+
+
+def margins(run) -> dict[str, dict]:
+    return dict(run.trackers.get(MARGINS) or {})
+
+
 def tracker(run, name: str):
     """The analysis' running summary for this run (created on first use)."""
     found = run.trackers.get(name)

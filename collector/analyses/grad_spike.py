@@ -34,7 +34,7 @@ from typing import Optional
 from rankwatch import wire
 
 from ..state import RunState
-from .common import paced, peer_medians, ranks_text, register_tracker, settle, tracker, verdict
+from .common import note_margin, paced, peer_medians, ranks_text, register_tracker, settle, tracker, verdict
 
 RATIO = 10.0  # times the peers' median, the rank's own median and the run's median
 MAD_SCALE = 1.4826
@@ -120,6 +120,10 @@ class Tracker:
             spiked[rank] = {"grad_norm": value, "peer_median": peer_median, "own_median": own_median,
                             "ratio_to_peers": ratio, "run_median": run_median,
                             "largest_healthy_ratio": self.peak_ratio or None}
+        if not partial and len(at_step) > 1:  # margin: the largest ratio to the peers against the run's bound
+            top = max(at_step, key=lambda r: at_step[r] / max(peers[r], 1e-12))
+            peak_bound = max(RATIO, MARGIN * self.peak_ratio, EARLY_RATIO if len(self.ratios) < EARLY_VALUES else 0.0)
+            note_margin(run, "grad_spike", at_step[top] / max(peers[top], 1e-12) / peak_bound, step, top)
         size = self.full_size if partial else len(at_step)
         minority = len(spiked) < size / 2 or (size == 2 and len(spiked) == 1)
         if spiked and minority:

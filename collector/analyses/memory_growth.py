@@ -16,7 +16,7 @@ from rankwatch import wire
 from rankwatch.memory_snapshot import human
 
 from ..state import RunState
-from .common import paced, ranks_text, register_tracker, settle, tracker, verdict
+from .common import note_margin, paced, ranks_text, register_tracker, settle, tracker, verdict
 
 SKIP_FIRST = 5
 MIN_STEPS = 15
@@ -68,6 +68,16 @@ class Series:
     def __len__(self) -> int:
         return self._count
 
+    def margin(self) -> float:
+        """O(1): the smaller of the share of growing steps against STEADY and
+        the overall growth per step against MIN_SLOPE (0 before MIN_STEPS)."""
+        n = self._count
+        if n < MIN_STEPS:
+            return 0.0
+        first, last = self._head, self._at(n - 1)
+        growth = (self._values[last] - self._values[first]) / max(1, self._steps[last] - self._steps[first])
+        return min(self.ups / (STEADY * (n - 1)), growth / MIN_SLOPE)
+
     def candidate(self) -> bool:
         """Cheap necessary conditions before the Theil-Sen slope: enough
         points, growing on most steps, and overall."""
@@ -111,6 +121,7 @@ class Tracker:
     def __init__(self) -> None:
         self.series: dict[str, dict[int, Series]] = {f: {} for f, _ in FIELDS}
         self.findings: dict[str, dict] = {}
+        self.last_step = 0
 
     def on_step(self, run: RunState, step: int, records: dict[int, wire.StepRecord]) -> None:
         if step < SKIP_FIRST:
@@ -127,11 +138,26 @@ class Tracker:
                     series = per_rank[rank] = Series()
                 series.add(step, float(value), record.ended_at)
                 changed = True
+            self.last_step = step
             if changed:
                 self._evaluate(run, field)
 
+    def _margin(self, run: RunState, field: str, step: int) -> None:
+        """How close a rank came: the smaller of its share of growing steps
+        against STEADY and its overall growth per step against MIN_SLOPE (both
+        are needed; a candidate's Theil-Sen slope against its peers is the
+        final test, and is not more lenient)."""
+        best, best_rank = 0.0, None
+        for rank, series in paced(self.series[field].items()):
+            margin = series.margin()
+            if margin > best:
+                best, best_rank = margin, rank
+        note_margin(run, "memory_growth", best, step, best_rank)
+
     def _evaluate(self, run: RunState, field: str) -> None:
         per_rank = self.series[field]
+        if not self.findings:
+            self._margin(run, field, self.last_step)
         candidates = [r for r, s in paced(per_rank.items()) if s.candidate()]
         if not candidates:
             return

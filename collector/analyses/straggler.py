@@ -19,7 +19,7 @@ from typing import Optional
 from rankwatch import wire
 
 from ..state import RunState
-from .common import paced, peer_medians, ranks_text, register_tracker, settle, tracker, verb, verdict
+from .common import note_margin, paced, peer_medians, ranks_text, register_tracker, settle, tracker, verb, verdict
 
 THRESHOLD = 1.33  # own / peers' median time (1 / 0.75)
 WINDOW = 12  # steps
@@ -72,6 +72,9 @@ class Tracker:
                     else:
                         del self.over[rank]
         self.window.append((step, entry))
+        if self.over:  # margin: the steps over the threshold in the window, against the persistence needed
+            worst = max(self.over, key=self.over.get)
+            note_margin(run, "straggler", self.over[worst] / (PERSISTENCE * WINDOW), step, worst)
         if len(self.window) < WINDOW:
             return
         if self.finding is None:

@@ -1,0 +1,368 @@
+"""The zoo: healthy training jobs from the libraries people train with, each
+run under `rankwatch run` with default settings; every verdict on them is a
+false alarm. Writes the false-alarm table, docs/zoo.md.
+
+    python bench/zoo.py                          # every job, 2 seeds, 300 steps: docs/zoo.md
+    python bench/zoo.py --only cnn_bias_bn --seeds 1 --resume
+    python bench/zoo.py --quick --out /tmp/zoo   # the CI slice (tests/test_zoo_quick.py)
+    python bench/zoo.py --table                  # docs/zoo.md again from docs/zoo/results.jsonl
+
+Each job is a script in bench/zoo/ (one per job): the library's own model
+built from a config (no downloads: HF_HUB_OFFLINE=1, made-up data) and its
+own trainer or a plain loop, 2-4 ranks on gloo/CPU. Results go to
+OUT/results.jsonl, one row per (job, seed); --resume keeps the rows already
+there and runs only the missing ones, so the table is built from every
+finished row (one job at a time under the machine's lock, as the docs say).
+A job that could not install or run is listed as not run, with why, and is
+never counted healthy. Packages: bench/zoo/requirements.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.metadata
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+ZOO = Path(__file__).resolve().parent / "zoo"
+RESULTS = ROOT / "docs" / "zoo" / "results.jsonl"
+TABLE = ROOT / "docs" / "zoo.md"
+STEPS = 300
+SEEDS = 2
+# Checks whose statistic is graded (a margin between 0 and 1); the others are
+# yes/no findings: 0 until they fire (collector/report.py `margins`).
+GRADED = ("straggler", "grad_spike", "memory_growth")
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str
+    libraries: tuple[str, ...]  # distributions whose versions the table shows (torch always)
+    trainer: str
+    ranks: int
+    covers: str
+    launcher: str = "torchrun"  # or "ray" (Ray Train starts its own workers)
+    minutes: float = 1.0  # one run at 300 steps on this 2-core machine, under the lock
+
+
+JOBS = [
+    Job("cnn_bias_bn", (), "plain DDP loop", 2,
+        "vision: Conv2d(bias=True) before BatchNorm2d; SGD momentum, cosine, no decay on norms/biases", minutes=0.8),
+    Job("hf_resnet", ("transformers",), "plain DDP loop", 2,
+        "vision: ResNet (BatchNorm, bias-free convs); warmup+cosine, no decay on norms/biases", minutes=1.2),
+    Job("hf_mobilenet_channels_last", ("transformers",), "plain DDP loop", 2,
+        "vision: MobileNetV2 (depthwise, BatchNorm), channels_last; RMSprop, exponential decay", minutes=1.5),
+    Job("hf_vit_ema", ("transformers",), "plain DDP loop", 2,
+        "vision: ViT (LayerNorm), EMA of weights (AveragedModel); AdamW, warmup+cosine", minutes=1.0),
+    Job("hf_convnext_drop_path", ("transformers",), "plain DDP loop", 2,
+        "vision: ConvNeXt (LayerNorm, stochastic depth 0.2, layer scale); AdamW, OneCycle", minutes=1.0),
+    Job("hf_gpt2_trainer", ("transformers",), "transformers.Trainer", 2,
+        "language: GPT-2 (tied embeddings) through Trainer; cosine warmup; evaluation on all ranks", minutes=1.2),
+    Job("hf_gpt2_dynamic_padding", ("transformers",), "plain DDP loop", 2,
+        "language: GPT-2, dynamic padding (a new shape most steps); warmup from lr 0; clipping", minutes=1.0),
+    Job("hf_bert_mlm_trainer", ("transformers", "tokenizers"), "transformers.Trainer", 2,
+        "language: BERT masked LM, DataCollatorForLanguageModeling (dynamic padding)", minutes=1.2),
+    Job("hf_t5_checkpointing", ("transformers",), "plain DDP loop", 2,
+        "language: T5, gradient checkpointing; constant schedule with warmup from lr 0", minutes=1.5),
+    Job("hf_t5_trainer", ("transformers",), "transformers.Seq2SeqTrainer", 2,
+        "language: T5 through Seq2SeqTrainer, DataCollatorForSeq2Seq; bf16 autocast", minutes=1.5),
+    Job("lstm_tbptt", (), "plain DDP loop", 2,
+        "language: LSTM LM, truncated BPTT, gradient clipping; ReduceLROnPlateau", minutes=1.0),
+    Job("peft_lora", ("peft", "transformers"), "plain DDP loop", 2,
+        "language: PEFT LoRA on a frozen GPT-2 base", minutes=1.0),
+    Job("accelerate_accumulation", ("accelerate", "transformers"), "accelerate.Accelerator", 2,
+        "language: GPT-2 through Accelerate, gradient accumulation (no_sync inside)", minutes=1.2),
+    Job("gan", (), "plain DDP loop", 2, "generative: GAN, two Adams stepping alternately", minutes=0.8),
+    Job("vae", (), "plain DDP loop", 2, "generative: conv VAE, KL annealing; OneCycle", minutes=0.8),
+    Job("diffusers_unet_ema", ("diffusers",), "plain DDP loop", 2,
+        "generative: diffusers UNet2DModel, DDPMScheduler, EMAModel; cosine warmup", minutes=2.0),
+    Job("contrastive_allgather", (), "plain DDP loop", 2,
+        "other: SimCLR NT-Xent with all_gather of embeddings", minutes=0.8),
+    Job("moe_unused", (), "plain DDP loop", 2,
+        "other: MoE top-1 routing, experts without tokens, find_unused_parameters=True", minutes=0.8),
+    Job("pyg_gcn", ("torch_geometric",), "plain DDP loop", 2, "other: torch_geometric GCNConv", minutes=0.8),
+    Job("ppo_gym", ("gymnasium",), "plain DDP loop", 2,
+        "other: PPO on CartPole, no-grad rollouts between bursts of updates", minutes=1.0),
+    Job("lightning_checkpoint", ("lightning",), "lightning.Trainer", 2,
+        "other: Lightning Trainer, validation, ModelCheckpoint; OneCycle per step", minutes=1.2),
+    Job("ray_train", ("ray",), "ray.train.torch.TorchTrainer", 2,
+        "other: Ray Train TorchTrainer (prepare_model, prepare_data_loader)", launcher="ray", minutes=1.5),
+    Job("fsdp2_transformer", (), "plain loop", 2, "regime: FSDP2 fully_shard; cosine; clipping", minutes=1.0),
+    Job("compiled_mlp", (), "plain DDP loop", 2, "regime: torch.compile; warmup from lr 0", minutes=1.5),
+    Job("bf16_autocast", (), "plain DDP loop", 2, "regime: bf16 autocast; SGD Nesterov, StepLR", minutes=0.8),
+    Job("fp16_gradscaler", (), "plain DDP loop", 2,
+        "regime: fp16 autocast + GradScaler with skipped steps", minutes=0.8),
+    Job("resume_checkpoint", (), "plain DDP loop", 2, "regime: resume from a checkpoint mid-run", minutes=0.8),
+    Job("eval_rank0", (), "plain DDP loop", 2, "regime: evaluation on rank 0 only; MultiStepLR", minutes=0.8),
+    Job("join_uneven", (), "plain DDP loop + Join", 2,
+        "regime: uneven inputs, drop_last=False, DDP Join", minutes=0.8),
+    Job("early_stopping", (), "plain DDP loop", 2,
+        "regime: early stopping on all-rank validation; ReduceLROnPlateau", minutes=0.8),
+    Job("freeze_unfreeze", (), "plain DDP loop", 2,
+        "regime: frozen backbone in an lr-0 group, unfrozen at 1/3", minutes=0.8),
+    Job("accumulation_no_sync", (), "plain DDP loop", 2,
+        "regime: accumulation over 4 micro-batches with no_sync; warmup from lr 0", minutes=1.0),
+]
+BY_NAME = {j.name: j for j in JOBS}
+
+# Shapes the issue asks for that this machine cannot run with the project's torch.
+NOT_RUN = {
+    "torchvision_resnet_mobilenet": ("torchvision", "PyPI's torchvision needs PyPI's torch build (a separate ~5.5 GB "
+                                     "venv with torch 2.14.1 + torchvision 0.29.1); not set up in this run. The same "
+                                     "architectures run from transformers: hf_resnet, hf_mobilenet_channels_last"),
+    "timm_vit_convnext": ("timm", "timm requires torchvision (see above); not set up in this run. ViT and ConvNeXt "
+                                  "(stochastic depth, EMA) run from transformers: hf_vit_ema, hf_convnext_drop_path"),
+}
+
+# The CI slice (tests/test_zoo_quick.py): fast jobs covering the known false
+# alarms and the shapes most likely to find new ones.
+QUICK = ("cnn_bias_bn", "hf_gpt2_dynamic_padding", "moe_unused", "fp16_gradscaler", "gan")
+QUICK_STEPS = 40
+
+
+def version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def command(job: Job, seed: int, steps: int, workdir: Path) -> tuple[list[str], Path, dict]:
+    """(argv, where report.json lands, extra environment)."""
+    script = str(ZOO / f"{job.name}.py")
+    if job.launcher == "ray":
+        storage = workdir / "ray_results"
+        return ([sys.executable, script, "--steps", str(steps), "--seed", str(seed), "--storage", str(storage)],
+                storage / "zoo" / "rankwatch" / "report.json", {"RAY_TRAIN_CALLBACKS": "rankwatch.ray.RankwatchCallback"})
+    run_dir = workdir / "rankwatch-run"
+    return ([sys.executable, "-m", "rankwatch.cli", "run", "--run-dir", str(run_dir), "--nproc-per-node",
+             str(job.ranks), "--master-port", str(free_port()), script, "--steps", str(steps), "--seed", str(seed)],
+            run_dir / "report.json", {})
+
+
+def run_one(job: Job, seed: int, steps: int, workdir: Path, timeout_s: float) -> dict:
+    """One run of one job under rankwatch: its outcome, verdicts and margins."""
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    argv, report_path, extra = command(job, seed, steps, workdir)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **extra}
+    env.pop("RANKWATCH_RUN_ID", None)
+    started = time.time()
+    row = {"job": job.name, "seed": seed, "steps_requested": steps, "ranks": job.ranks, "trainer": job.trainer,
+           "torch": version("torch"), "libraries": {d: version(d) for d in job.libraries}}
+    try:
+        proc = subprocess.run(argv, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout_s)
+        output, exit_code = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        output = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        exit_code = None
+    row["elapsed_s"] = round(time.time() - started, 1)
+    (workdir / "output.log").write_text(output)
+    done = re.findall(r"zoo: steps=(\d+)", output)
+    row["steps"] = int(done[-1]) if done else None
+    row["exit_code"] = exit_code
+    report = None
+    try:
+        report = json.loads(report_path.read_text())
+    except (OSError, ValueError):
+        pass
+    if report is not None:
+        row["verdicts"] = [{"kind": v.get("kind"), "ranks": v.get("ranks"), "step": v.get("step"),
+                            "summary": v.get("summary")} for v in report.get("verdicts") or []]
+        row["margins"] = report.get("margins") or {}
+        row["notes"] = report.get("notes") or []
+    if exit_code is None:
+        row["failed"] = f"timed out after {timeout_s:.0f} s"
+    elif report is None:
+        row["failed"] = f"no report.json (exit {exit_code}): {output.strip().splitlines()[-1:] or ['']}"
+    elif exit_code != 0 and not row["verdicts"]:
+        row["failed"] = f"exit {exit_code} without a verdict: " + " | ".join(output.strip().splitlines()[-3:])[-400:]
+    elif row["steps"] is None or row["steps"] < steps:
+        row["failed"] = f"trained {row['steps']} of {steps} steps (exit {exit_code})"
+    return row
+
+
+def load(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows
+
+
+def _fmt(m: Optional[float]) -> str:
+    return "–" if m is None else f"{m:.2f}"
+
+
+def table(rows: list[dict], steps: int, seeds: int, selected: list[str]) -> str:
+    """docs/zoo.md from the result rows (the last row of each (job, seed) counts)."""
+    latest: dict[tuple[str, int], dict] = {}
+    for row in rows:
+        latest[(row["job"], row["seed"])] = row
+    per_job: dict[str, list[dict]] = {}
+    for (name, _), row in sorted(latest.items()):
+        per_job.setdefault(name, []).append(row)
+    ran = [r for rs in per_job.values() for r in rs if "failed" not in r]
+    failed = [r for rs in per_job.values() for r in rs if "failed" in r]
+    verdicts = [(r["job"], r["seed"], v) for r in ran for v in r.get("verdicts") or []]
+    checks = sorted({c for r in ran for c in (r.get("margins") or {})})
+    worst: dict[str, tuple[float, str]] = {}
+    for r in ran:
+        for check, m in (r.get("margins") or {}).items():
+            value = float(m.get("margin") or 0.0)
+            if check not in worst or value > worst[check][0]:
+                where = f"{r['job']} seed {r['seed']}" + (f", step {m.get('step')}, rank {m.get('rank')}"
+                                                           if m.get("step") is not None else "")
+                worst[check] = (value, where)
+    lines = [
+        "# The zoo: false alarms on healthy jobs",
+        "",
+        "Generated by `python bench/zoo.py` (this file is rewritten by it; rows from `docs/zoo/results.jsonl`).",
+        "Every job is healthy: each verdict below is a false alarm. Each job runs under `rankwatch run` with",
+        "default settings, gloo on CPU, on the project's torch (`torch` column). A **margin** is how close a",
+        "check's statistic came to firing at its worst moment of the run (statistic / what firing needs; 1.0 = it",
+        "fired), from report.json's `margins` (docs/contract.md). `straggler`: steps over the threshold in the",
+        "window / the persistence needed; `grad_spike`: a rank's ratio to its peers / the run's bound;",
+        "`memory_growth`: the smaller of the share of growing steps / 0.6 and the growth per step / 1 MiB.",
+        "The other checks are yes/no findings (0 until they fire); they are in the verdicts column.",
+        "",
+        "## Summary",
+        "",
+        f"- jobs run: {len({r['job'] for r in ran})} of {len(JOBS)} (+{len(NOT_RUN)} shapes not run, below); "
+        f"runs finished: {len(ran)}; runs that failed: {len(failed)}",
+        f"- verdicts on healthy runs (false alarms): **{len(verdicts)}**",
+    ]
+    for check in checks:
+        value, where = worst.get(check, (0.0, ""))
+        lines.append(f"- worst margin of `{check}`: {value:.2f}" + (f" ({where})" if value > 0 else ""))
+    lines += ["", f"Target: {steps} steps, {seeds} seeds per job.", "",
+              "## Jobs", "",
+              "| job | libraries | trainer | ranks | steps | seeds | s/run | verdicts | "
+              + " | ".join(f"{c} margin" for c in GRADED) + " | covers |",
+              "|---|---|---|---|---|---|---|---|" + "---|" * len(GRADED) + "---|"]
+    for job in JOBS:
+        if job.name not in selected:
+            continue
+        rs = per_job.get(job.name, [])
+        libs = ", ".join(f"{d} {v}" for d, v in (rs[0]["libraries"] if rs else {}).items())
+        libs = (libs + "; " if libs else "") + f"torch {rs[0]['torch']}" if rs else ""
+        ok = [r for r in rs if "failed" not in r]
+        if not ok:
+            why = "; ".join(f"seed {r['seed']}: {r['failed']}" for r in rs) or "not reached in this run"
+            lines.append(f"| {job.name} | {libs or '–'} | {job.trainer} | {job.ranks} | – | – | – | "
+                         f"**not run**: {why} |" + " – |" * len(GRADED) + f" {job.covers} |")
+            continue
+        vs = [f"{v['kind']} {v['ranks']} @{v['step']} (seed {r['seed']})" for r in ok for v in r.get("verdicts") or []]
+        margins = []
+        for check in GRADED:
+            values = [float((r.get("margins") or {}).get(check, {}).get("margin") or 0.0) for r in ok]
+            margins.append(_fmt(max(values) if values else None))
+        seeds_text = ",".join(str(r["seed"]) for r in ok)
+        bad = [f"seed {r['seed']}: {r['failed']}" for r in rs if "failed" in r]
+        lines.append(f"| {job.name} | {libs} | {job.trainer} | {job.ranks} | {min(r['steps'] for r in ok)} | "
+                     f"{seeds_text} | {sum(r['elapsed_s'] for r in ok) / len(ok):.0f} | "
+                     f"{'; '.join(vs) or '0'}{' (failed: ' + '; '.join(bad) + ')' if bad else ''} | "
+                     + " | ".join(margins) + f" | {job.covers} |")
+    for name, (dist, why) in NOT_RUN.items():
+        lines.append(f"| {name} | {dist} | – | – | – | – | – | **not run**: {why} |" + " – |" * len(GRADED) + " – |")
+    lines += ["", "## Time per job", "",
+              "The `s/run` column: wall seconds of one run (start-up included) on this shared 2-core machine; "
+              "the whole zoo at 300 steps and 2 seeds is about "
+              f"{sum(j.minutes for j in JOBS) * 2:.0f} minutes. Install: `pip install -e '.[dev]'` and "
+              "`pip install -r bench/zoo/requirements.txt`.", ""]
+    return "\n".join(lines)
+
+
+def readme(text: str) -> None:
+    """The table's summary into README.md's Benchmarks section (between its markers)."""
+    path = ROOT / "README.md"
+    body = path.read_text()
+    start, end = "<!-- zoo:summary -->", "<!-- /zoo:summary -->"
+    if start not in body or end not in body:
+        return
+    summary = text.split("## Summary", 1)[1].split("## Jobs", 1)[0].strip()
+    head, rest = body.split(start, 1)
+    path.write_text(head + start + "\n" + summary + "\n" + end + rest.split(end, 1)[1])
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", help="comma-separated job names")
+    parser.add_argument("--seeds", type=int, default=SEEDS)
+    parser.add_argument("--first-seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--out", type=Path, help=f"results folder (default: {RESULTS.parent})")
+    parser.add_argument("--resume", action="store_true", help="keep finished rows in OUT/results.jsonl, run the rest")
+    parser.add_argument("--quick", action="store_true", help=f"the CI slice: {', '.join(QUICK)}, "
+                                                             f"{QUICK_STEPS} steps, 1 seed, no docs")
+    parser.add_argument("--table", action="store_true", help="only write docs/zoo.md from the results")
+    parser.add_argument("--no-docs", action="store_true")
+    parser.add_argument("--timeout", type=float, default=600.0, help="per run, seconds")
+    parser.add_argument("--list", action="store_true", help="the jobs and how long each takes")
+    a = parser.parse_args(argv)
+    if a.list:
+        for job in JOBS:
+            print(f"{job.name:28s} {job.ranks} ranks  ~{job.minutes:.1f} min/run  {job.covers}")
+        return 0
+    if a.quick:
+        a.only, a.seeds, a.steps, a.no_docs = ",".join(QUICK), 1, QUICK_STEPS, True
+    names = [n.strip() for n in a.only.split(",")] if a.only else [j.name for j in JOBS]
+    unknown = [n for n in names if n not in BY_NAME]
+    if unknown:
+        parser.error(f"unknown job(s): {', '.join(unknown)} (see --list)")
+    out = a.out or RESULTS.parent
+    if a.quick and a.out is None:
+        out = Path(tempfile.mkdtemp(prefix="zoo-quick-"))
+    out.mkdir(parents=True, exist_ok=True)
+    results = out / "results.jsonl"
+    rows = load(results) if (a.resume or a.table) else []
+    if not a.resume and not a.table:
+        results.write_text("")
+    done = {(r["job"], r["seed"]) for r in rows if "failed" not in r and r.get("steps_requested", 0) >= a.steps}
+    if not a.table:
+        for name in names:
+            for seed in range(a.first_seed, a.first_seed + a.seeds):
+                if (name, seed) in done:
+                    continue
+                row = run_one(BY_NAME[name], seed, a.steps, out / "work" / f"{name}-s{seed}", a.timeout)
+                rows.append(row)
+                with results.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+                verdicts = ", ".join(f"{v['kind']} {v['ranks']}" for v in row.get("verdicts") or []) or "none"
+                status = f"FAILED: {row['failed']}" if "failed" in row else f"verdicts: {verdicts}"
+                print(f"{name} seed {seed}: {row['elapsed_s']:.0f} s, steps {row['steps']}, {status}", flush=True)
+    if not a.no_docs:
+        text = table(rows, a.steps, a.seeds, [j.name for j in JOBS])
+        TABLE.write_text(text)
+        readme(text)
+        print(f"wrote {TABLE} and README.md's zoo summary")
+    bad = [r for r in rows if r["job"] in names and ("failed" in r or r.get("verdicts"))]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
