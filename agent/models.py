@@ -281,6 +281,7 @@ class TrainedModels:
         self._optimized: dict[int, tuple[int, int]] = {}
         self._by_module: dict[int, Root] = {}
         self._by_ddp: dict[int, Root] = {}
+        self._hooked_ddp: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self._ddp_depth = 0
         self._pending: list[Forward] = []  # grad-enabled forwards since the last backward
         self._full = False
@@ -436,12 +437,15 @@ class TrainedModels:
             self.roots.append(root)
 
     def _hook_root(self, root: Root) -> None:
-        if root.hooked:
-            return
-        root.hooked = True
         handles = self.agent._hook_handles
-        handles.append(root.module.register_forward_pre_hook(_Hook(self._root_pre), with_kwargs=True))
-        if root.ddp is not None:
+        if not root.hooked:
+            root.hooked = True
+            handles.append(root.module.register_forward_pre_hook(_Hook(self._root_pre), with_kwargs=True))
+        # Each DDP wrapper once: a script that rebuilds DDP around the same module (after
+        # unfreezing layers, DDP must be built again) gets the new wrapper's hooks too; without
+        # them its forwards looked like forwards through `.module` (unreduced_backward).
+        if root.ddp is not None and root.ddp not in self._hooked_ddp:
+            self._hooked_ddp.add(root.ddp)
             handles.append(root.ddp.register_forward_pre_hook(_Hook(self._ddp_pre), with_kwargs=True))
             handles.append(root.ddp.register_forward_hook(_Hook(self._ddp_post), always_call=True))
 

@@ -330,3 +330,26 @@ def test_an_unjudged_update_is_said_in_the_notes(agent):
     (note,) = _events(agent, "update_unjudged")
     assert note.details["parameters"] == ["conv.bias"]
     assert note.details["largest_update_ulps"] < 4
+
+
+def test_ddp_built_again_around_the_same_module_is_still_ddp(agent):
+    """issue 23 (the zoo's freeze_unfreeze job): fine-tuning scripts unfreeze
+    a backbone and build DDP again around the same module (DDP registers its
+    hooks for the parameters that need gradients when it is built). The new
+    wrapper's forwards are DDP forwards: no `unreduced_backward`."""
+    backbone, head = torch.nn.Linear(8, 16), torch.nn.Linear(16, 2)
+    net = torch.nn.Sequential(backbone, torch.nn.ReLU(), head)
+    for p in backbone.parameters():
+        p.requires_grad_(False)
+    model = DDP(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for step in range(6):
+        if step == 3:
+            for p in backbone.parameters():
+                p.requires_grad_(True)
+            del model
+            model = DDP(net)
+        opt.zero_grad()
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+    assert not _events(agent, "unreduced_backward"), [e.details for e in _events(agent, "unreduced_backward")]
