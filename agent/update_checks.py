@@ -202,7 +202,7 @@ class UpdateChecks:
             moved = (torch.stack(after) != torch.stack(before)).float()
             evidence = [_update_in_ulps(optimizer, p, group, param, grad)
                         for (p, group), param, grad in zip(owners, params, grads)]
-            evidence = torch.stack([e.to(device=moved.device, dtype=torch.float32) for e in evidence])
+            evidence = torch.stack(evidence)
         n = len(keys)
         key = id(optimizer)
 
@@ -410,7 +410,7 @@ def _update_in_ulps(optimizer: Any, param: torch.Tensor, group: dict, value: tor
     zero = torch.zeros((), device=value.device)
     lr = group.get("lr")
     if isinstance(lr, torch.Tensor):
-        lr = lr.detach().to(device=value.device, dtype=torch.float64)
+        lr = lr.detach()  # used as it is (a 0-d tensor): no copy, no read
     else:
         try:
             lr = float(lr)
@@ -425,18 +425,21 @@ def _update_in_ulps(optimizer: Any, param: torch.Tensor, group: dict, value: tor
     def state_of(name: str) -> Optional[torch.Tensor]:
         t = state.get(name)
         if isinstance(t, torch.Tensor) and t.numel() == value.numel():
-            return local(t.detach()).to(dtype).reshape(value.shape)
+            t = local(t.detach())
+            return (t if t.dtype == dtype else t.to(dtype)).reshape(value.shape)
         return None
 
-    g = grad.to(dtype).abs().reshape(value.shape)
+    g = (grad if grad.dtype == dtype else grad.to(dtype)).abs().reshape(value.shape)
     m, v = state_of("exp_avg"), state_of("exp_avg_sq")
     if m is not None and v is not None:
         betas = group.get("betas", (0.9, 0.999))
         t = state.get("step", 1)
-        t = t.detach().to(device=value.device, dtype=torch.float64) if isinstance(t, torch.Tensor) \
-            else torch.tensor(float(t), dtype=torch.float64, device=value.device)
-        c1 = (1 - torch.pow(float(betas[0]), t)).clamp_min(1e-12).to(dtype)
-        c2 = (1 - torch.pow(float(betas[1]), t)).clamp_min(1e-12).to(dtype)
+        if isinstance(t, torch.Tensor):  # bias corrections as 0-d tensors where the step count is (no read)
+            c1 = (1 - torch.pow(float(betas[0]), t.detach())).clamp_min(1e-12)
+            c2 = (1 - torch.pow(float(betas[1]), t.detach())).clamp_min(1e-12)
+        else:
+            c1 = max(1 - float(betas[0]) ** float(t), 1e-12)
+            c2 = max(1 - float(betas[1]) ** float(t), 1e-12)
         update = (m.abs() / c1) / ((v / c2).sqrt() + eps)
     elif (buf := state_of("momentum_buffer")) is not None:
         update = buf.abs()
@@ -450,9 +453,10 @@ def _update_in_ulps(optimizer: Any, param: torch.Tensor, group: dict, value: tor
         update = g.clamp_max(1.0)
     if not update.numel():
         return zero
-    magnitude = value.to(dtype).abs()
+    magnitude = (value if value.dtype == dtype else value.to(dtype)).abs()
     ulp = torch.nextafter(magnitude, torch.full_like(magnitude, float("inf"))) - magnitude
-    return (update * lr / ulp).amax().float()
+    ratio = (update * lr / ulp).amax()
+    return ratio if ratio.dtype == torch.float32 else ratio.float()
 
 
 def _norms64(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
