@@ -1,0 +1,47 @@
+"""report.json's `margins` (docs/contract.md, 2026-11-25): how close each
+check's statistic came to firing at its worst moment (1.0 = fired). Pure:
+step records into a RunState, the report built from it (no processes; <1 s)."""
+
+from __future__ import annotations
+
+import time
+
+from rankwatch import wire
+from rankwatch.collector import analyses
+from rankwatch.collector import report as report_mod
+from rankwatch.collector.state import RunState
+
+T0 = float(int(time.time()) + 100_000)
+
+
+def _run(rss_growth_per_step: int, slow_every: int = 0, ranks: int = 3, steps: int = 60) -> RunState:
+    run = RunState(run_id="m", world_size=ranks)
+    for step in range(steps):
+        for rank in range(ranks):
+            compute = 0.05 + (0.2 if rank == 1 and slow_every and step % slow_every == 0 else 0.0)
+            rss = (1 << 30) + (step * rss_growth_per_step if rank == 0 else 0)
+            run.rank(rank).add_step(wire.StepRecord(step=step, started_at=T0 + step, ended_at=T0 + step + 0.1,
+                                                    compute_s=compute, data_s=0.001, loss=1.0, grad_norm=1.0,
+                                                    rss_bytes=rss))
+    return run
+
+
+def _margins(run: RunState) -> dict:
+    verdicts = analyses.run_all(run, T0 + 1e4, True)
+    return report_mod.build(run, verdicts).margins
+
+
+def test_a_healthy_run_has_small_margins_and_every_check_listed():
+    margins = _margins(_run(0))
+    assert {"straggler", "grad_spike", "memory_growth", "broken_update", "hang"} <= set(margins)
+    assert all(m["margin"] < 0.5 for m in margins.values()), margins
+    assert margins["grad_spike"]["graded"] and not margins["broken_update"]["graded"]
+
+
+def test_margins_grow_with_the_statistic_and_reach_one_when_it_fires():
+    half = _margins(_run(1 << 19))["memory_growth"]  # 0.5 MiB per step: half of what a leak needs
+    assert 0.4 <= half["margin"] < 0.6 and half["rank"] == 0, half
+    leak = _margins(_run(4 << 20))["memory_growth"]
+    assert leak["margin"] == 1.0 and leak["rank"] == 0
+    some = _margins(_run(0, slow_every=3))["straggler"]  # slow on a third of the steps: not persistent
+    assert 0.3 <= some["margin"] < 1.0 and some["rank"] == 1, some
