@@ -322,6 +322,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--table", action="store_true", help="only write docs/zoo.md from the results")
     parser.add_argument("--no-docs", action="store_true")
     parser.add_argument("--timeout", type=float, default=600.0, help="per run, seconds")
+    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "rankwatch-zoo",
+                        help="each run's folder (run dir, output.log), kept for a look after")
     parser.add_argument("--list", action="store_true", help="the jobs and how long each takes")
     a = parser.parse_args(argv)
     if a.list:
@@ -348,7 +350,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             for seed in range(a.first_seed, a.first_seed + a.seeds):
                 if (name, seed) in done:
                     continue
-                row = run_one(BY_NAME[name], seed, a.steps, out / "work" / f"{name}-s{seed}", a.timeout)
+                row = run_one(BY_NAME[name], seed, a.steps, a.work / f"{name}-s{seed}", a.timeout)
                 rows.append(row)
                 with results.open("a") as f:
                     f.write(json.dumps(row) + "\n")
