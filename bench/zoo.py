@@ -256,9 +256,12 @@ def table(rows: list[dict], steps: int, seeds: int, selected: list[str]) -> str:
         f"runs finished: {len(ran)}; runs that failed: {len(failed)}",
         f"- verdicts on healthy runs (false alarms): **{len(verdicts)}**",
     ]
-    for check in checks:
+    for check in GRADED:
         value, where = worst.get(check, (0.0, ""))
         lines.append(f"- worst margin of `{check}`: {value:.2f}" + (f" ({where})" if value > 0 else ""))
+    fired = sorted(c for c in checks if c not in GRADED and worst.get(c, (0.0, ""))[0] > 0)
+    lines.append(f"- yes/no checks ({', '.join(f'`{c}`' for c in checks if c not in GRADED)}): "
+                 + (", ".join(f"`{c}` fired ({worst[c][1]})" for c in fired) if fired else "none fired"))
     lines += ["", f"Target: {steps} steps, {seeds} seeds per job.", "",
               "## Jobs", "",
               "| job | libraries | trainer | ranks | steps | seeds | s/run | verdicts | "
