@@ -13,7 +13,8 @@ then every CHECK_EVERY steps), each reported once as an event:
   of any element shows), on two checked steps in a row. A GradScaler step
   skipped for an overflow never calls the optimizer, so it is never seen.
   Unchanged is evidence only where the optimizer's own update would have
-  changed the tensor: the expected update of each element (`expected_update`:
+  changed the tensor: the expected update of each element (`_update_in_ulps`, on up to
+  UPDATE_SAMPLE elements evenly spread over the tensor:
   from the optimizer's state after the step — Adam's lr·m̂/(√v̂+eps), SGD's
   lr·momentum buffer, or lr·grad) must be at least UPDATE_EVIDENCE times the
   element's float resolution (ulp) somewhere in the tensor. A smaller update
@@ -64,6 +65,10 @@ SAMPLE_ELEMENTS = 8
 # (the optimizer's state after the step) is exact for SGD and Adam-like optimizers
 # up to their variants' small terms (nesterov, amsgrad, weight decay).
 UPDATE_EVIDENCE = 4.0
+# Elements per tensor the estimate reads (evenly spread): bounded memory and work on any
+# model (the whole tensor would need a few temporaries of its size). A sample can only
+# miss a moving element, which leaves the tensor unjudged, never wrongly judged.
+UPDATE_SAMPLE = 4096
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -422,14 +427,22 @@ def _update_in_ulps(optimizer: Any, param: torch.Tensor, group: dict, value: tor
     eps = float(eps) if isinstance(eps, (int, float)) else 1e-8
     dtype = torch.float64 if value.dtype == torch.float64 else torch.float32
 
+    n = value.numel()
+    if n == 0 or grad.numel() != n:
+        return zero
+    index = torch.arange(0, n, max(1, n // UPDATE_SAMPLE), device=value.device)[:UPDATE_SAMPLE]
+
+    def sample(t: torch.Tensor) -> torch.Tensor:
+        t = torch.take(t, index)  # logical (row-major) positions: no copy of a strided tensor
+        return t if t.dtype == dtype else t.to(dtype)
+
     def state_of(name: str) -> Optional[torch.Tensor]:
         t = state.get(name)
-        if isinstance(t, torch.Tensor) and t.numel() == value.numel():
-            t = local(t.detach())
-            return (t if t.dtype == dtype else t.to(dtype)).reshape(value.shape)
+        if isinstance(t, torch.Tensor) and t.numel() == n:
+            return sample(local(t.detach()))
         return None
 
-    g = (grad if grad.dtype == dtype else grad.to(dtype)).abs().reshape(value.shape)
+    g = sample(grad).abs()
     m, v = state_of("exp_avg"), state_of("exp_avg_sq")
     if m is not None and v is not None:
         betas = group.get("betas", (0.9, 0.999))
@@ -451,9 +464,7 @@ def _update_in_ulps(optimizer: Any, param: torch.Tensor, group: dict, value: tor
         update = g
     else:
         update = g.clamp_max(1.0)
-    if not update.numel():
-        return zero
-    magnitude = (value if value.dtype == dtype else value.to(dtype)).abs()
+    magnitude = sample(value).abs()
     ulp = torch.nextafter(magnitude, torch.full_like(magnitude, float("inf"))) - magnitude
     ratio = (update * lr / ulp).amax()
     return ratio if ratio.dtype == torch.float32 else ratio.float()
