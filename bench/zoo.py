@@ -54,67 +54,68 @@ class Job:
     ranks: int
     covers: str
     launcher: str = "torchrun"  # or "ray" (Ray Train starts its own workers)
-    minutes: float = 1.0  # one run at 300 steps on this 2-core machine, under the lock
+    minutes: float = 0.5  # one run at 300 steps on this 2-core machine under the lock (start-up included):
+    # measured where docs/zoo.md has the job's s/run, else estimated from a 5-step run
 
 
 JOBS = [
     Job("cnn_bias_bn", (), "plain DDP loop", 2,
         "vision: Conv2d(bias=True) before BatchNorm2d; the PyTorch tutorial's SGD (lr 0.001, momentum 0.9), cosine",
-        minutes=0.5),
+        minutes=0.25),
     Job("hf_resnet", ("transformers",), "plain DDP loop", 2,
-        "vision: ResNet (BatchNorm, bias-free convs); SGD, warmup+cosine, no decay on norms/biases", minutes=1.0),
+        "vision: ResNet (BatchNorm, bias-free convs); SGD, warmup+cosine, no decay on norms/biases", minutes=0.5),
     Job("hf_mobilenet_channels_last", ("transformers",), "plain DDP loop", 2,
-        "vision: MobileNetV2 (depthwise, BatchNorm), channels_last; RMSprop, exponential decay", minutes=1.5),
+        "vision: MobileNetV2 (depthwise, BatchNorm), channels_last; RMSprop, exponential decay", minutes=0.8),
     Job("hf_vit_ema", ("transformers",), "plain DDP loop", 2,
-        "vision: ViT (LayerNorm), EMA of weights (AveragedModel); AdamW, warmup+cosine", minutes=1.0),
+        "vision: ViT (LayerNorm), EMA of weights (AveragedModel); AdamW, warmup+cosine", minutes=0.4),
     Job("hf_convnext_drop_path", ("transformers",), "plain DDP loop", 2,
-        "vision: ConvNeXt (LayerNorm, stochastic depth 0.2, layer scale); AdamW, OneCycle", minutes=1.0),
+        "vision: ConvNeXt (LayerNorm, stochastic depth 0.2, layer scale); AdamW, OneCycle", minutes=0.3),
     Job("hf_gpt2_trainer", ("transformers",), "transformers.Trainer", 2,
-        "language: GPT-2 (tied embeddings) through Trainer; cosine warmup; evaluation on all ranks", minutes=1.2),
+        "language: GPT-2 (tied embeddings) through Trainer; cosine warmup; evaluation on all ranks", minutes=0.4),
     Job("hf_gpt2_dynamic_padding", ("transformers",), "plain DDP loop", 2,
-        "language: GPT-2, dynamic padding (a new shape most steps); warmup from lr 0; clipping", minutes=1.0),
+        "language: GPT-2, dynamic padding (a new shape most steps); warmup from lr 0; clipping", minutes=0.5),
     Job("hf_bert_mlm_trainer", ("transformers", "tokenizers"), "transformers.Trainer", 2,
-        "language: BERT masked LM, DataCollatorForLanguageModeling (dynamic padding)", minutes=1.2),
+        "language: BERT masked LM, DataCollatorForLanguageModeling (dynamic padding)", minutes=0.5),
     Job("hf_t5_checkpointing", ("transformers",), "plain DDP loop", 2,
-        "language: T5, gradient checkpointing; constant schedule with warmup from lr 0", minutes=1.5),
+        "language: T5, gradient checkpointing; constant schedule with warmup from lr 0", minutes=0.7),
     Job("hf_t5_trainer", ("transformers",), "transformers.Seq2SeqTrainer", 2,
-        "language: T5 through Seq2SeqTrainer, DataCollatorForSeq2Seq; bf16 autocast", minutes=1.5),
+        "language: T5 through Seq2SeqTrainer, DataCollatorForSeq2Seq; bf16 autocast", minutes=0.7),
     Job("lstm_tbptt", (), "plain DDP loop", 2,
-        "language: LSTM LM, truncated BPTT, gradient clipping; ReduceLROnPlateau", minutes=1.0),
+        "language: LSTM LM, truncated BPTT, gradient clipping; ReduceLROnPlateau", minutes=0.5),
     Job("peft_lora", ("peft", "transformers"), "plain DDP loop", 2,
-        "language: PEFT LoRA on a frozen GPT-2 base", minutes=1.0),
+        "language: PEFT LoRA on a frozen GPT-2 base", minutes=0.5),
     Job("accelerate_accumulation", ("accelerate", "transformers"), "accelerate.Accelerator", 2,
-        "language: GPT-2 through Accelerate, gradient accumulation (no_sync inside)", minutes=1.2),
-    Job("gan", (), "plain DDP loop", 2, "generative: GAN, two Adams stepping alternately", minutes=0.8),
-    Job("vae", (), "plain DDP loop", 2, "generative: conv VAE, KL annealing; OneCycle", minutes=0.8),
+        "language: GPT-2 through Accelerate, gradient accumulation (no_sync inside)", minutes=0.5),
+    Job("gan", (), "plain DDP loop", 2, "generative: GAN, two Adams stepping alternately", minutes=0.5),
+    Job("vae", (), "plain DDP loop", 2, "generative: conv VAE, KL annealing; OneCycle", minutes=0.5),
     Job("diffusers_unet_ema", ("diffusers",), "plain DDP loop", 2,
-        "generative: diffusers UNet2DModel, DDPMScheduler, EMAModel; cosine warmup", minutes=2.0),
+        "generative: diffusers UNet2DModel, DDPMScheduler, EMAModel; cosine warmup", minutes=1.0),
     Job("contrastive_allgather", (), "plain DDP loop", 2,
-        "other: SimCLR NT-Xent with all_gather of embeddings", minutes=0.8),
+        "other: SimCLR NT-Xent with all_gather of embeddings", minutes=0.5),
     Job("moe_unused", (), "plain DDP loop", 2,
-        "other: MoE top-1 routing, experts without tokens, find_unused_parameters=True", minutes=0.8),
-    Job("pyg_gcn", ("torch_geometric",), "plain DDP loop", 2, "other: torch_geometric GCNConv", minutes=0.8),
+        "other: MoE top-1 routing, experts without tokens, find_unused_parameters=True", minutes=0.5),
+    Job("pyg_gcn", ("torch_geometric",), "plain DDP loop", 2, "other: torch_geometric GCNConv", minutes=0.5),
     Job("ppo_gym", ("gymnasium",), "plain DDP loop", 2,
-        "other: PPO on CartPole, no-grad rollouts between bursts of updates", minutes=1.0),
+        "other: PPO on CartPole, no-grad rollouts between bursts of updates", minutes=0.5),
     Job("lightning_checkpoint", ("lightning",), "lightning.Trainer", 2,
-        "other: Lightning Trainer, validation, ModelCheckpoint; OneCycle per step", minutes=1.2),
+        "other: Lightning Trainer, validation, ModelCheckpoint; OneCycle per step", minutes=0.5),
     Job("ray_train", ("ray",), "ray.train.torch.TorchTrainer", 2,
-        "other: Ray Train TorchTrainer (prepare_model, prepare_data_loader)", launcher="ray", minutes=1.5),
-    Job("fsdp2_transformer", (), "plain loop", 2, "regime: FSDP2 fully_shard; cosine; clipping", minutes=1.0),
-    Job("compiled_mlp", (), "plain DDP loop", 2, "regime: torch.compile; warmup from lr 0", minutes=1.5),
-    Job("bf16_autocast", (), "plain DDP loop", 2, "regime: bf16 autocast; SGD Nesterov, StepLR", minutes=0.8),
+        "other: Ray Train TorchTrainer (prepare_model, prepare_data_loader)", launcher="ray", minutes=1.0),
+    Job("fsdp2_transformer", (), "plain loop", 2, "regime: FSDP2 fully_shard; cosine; clipping", minutes=0.5),
+    Job("compiled_mlp", (), "plain DDP loop", 2, "regime: torch.compile; warmup from lr 0", minutes=1.0),
+    Job("bf16_autocast", (), "plain DDP loop", 2, "regime: bf16 autocast; SGD Nesterov, StepLR", minutes=0.5),
     Job("fp16_gradscaler", (), "plain DDP loop", 2,
-        "regime: fp16 autocast + GradScaler with skipped steps", minutes=0.8),
-    Job("resume_checkpoint", (), "plain DDP loop", 2, "regime: resume from a checkpoint mid-run", minutes=0.8),
-    Job("eval_rank0", (), "plain DDP loop", 2, "regime: evaluation on rank 0 only; MultiStepLR", minutes=0.8),
+        "regime: fp16 autocast + GradScaler with skipped steps", minutes=0.5),
+    Job("resume_checkpoint", (), "plain DDP loop", 2, "regime: resume from a checkpoint mid-run", minutes=0.5),
+    Job("eval_rank0", (), "plain DDP loop", 2, "regime: evaluation on rank 0 only; MultiStepLR", minutes=0.5),
     Job("join_uneven", (), "plain DDP loop + Join", 2,
-        "regime: uneven inputs, drop_last=False, DDP Join", minutes=0.8),
+        "regime: uneven inputs, drop_last=False, DDP Join", minutes=0.5),
     Job("early_stopping", (), "plain DDP loop", 2,
-        "regime: early stopping on all-rank validation; ReduceLROnPlateau", minutes=0.8),
+        "regime: early stopping on all-rank validation; ReduceLROnPlateau", minutes=0.5),
     Job("freeze_unfreeze", (), "plain DDP loop", 2,
-        "regime: frozen backbone in an lr-0 group, unfrozen at 1/3", minutes=0.8),
+        "regime: frozen backbone in an lr-0 group, unfrozen at 1/3", minutes=0.5),
     Job("accumulation_no_sync", (), "plain DDP loop", 2,
-        "regime: accumulation over 4 micro-batches with no_sync; warmup from lr 0", minutes=1.0),
+        "regime: accumulation over 4 micro-batches with no_sync; warmup from lr 0", minutes=0.5),
 ]
 BY_NAME = {j.name: j for j in JOBS}
 
@@ -126,6 +127,26 @@ NOT_RUN = {
     "timm_vit_convnext": ("timm", "timm requires torchvision (see above); not set up in this run. ViT and ConvNeXt "
                                   "(stochastic depth, EMA) run from transformers: hf_vit_ema, hf_convnext_drop_path"),
 }
+
+# False alarms found on healthy jobs and fixed at their cause (docs/zoo.md lists them).
+FIXED = [
+    ("`broken_update` (`not_updated`) on a conv bias before BatchNorm, every rank, step 0 (issue 23; cnn_bias_bn "
+     "with the code before the fix: 2 of 2 seeds)",
+     "unchanged is evidence only where the optimizer's own expected update (from its state after the step) is at "
+     "least 4 ulps of some element; below that the tensor is not judged and the report's notes say so "
+     "(agent/update_checks.py)",
+     "tests/test_silent_agent.py::test_an_update_below_the_parameters_resolution_is_no_broken_update, "
+     "::test_an_unjudged_update_is_said_in_the_notes"),
+    ("`memory_growth` on the ranks asked for a profile after a straggler verdict (issue 23: FSDP2, 4 ranks; "
+     "faultbench fsdp2 straggler seed 1 before the fix)",
+     "the RSS a requested profile takes (torch's profiler, reading it: ~30 MiB glibc keeps) is rankwatch's: not "
+     "reported while it runs, subtracted after (agent/memory.py, agent/profiler.py)",
+     "tests/test_memory_straggler.py::test_memory_a_requested_profile_takes_is_not_the_jobs"),
+    ("`weight_divergence` (unreduced gradients via `.module`) when DDP is built again around the same module after "
+     "unfreezing (zoo: freeze_unfreeze)",
+     "each DDP wrapper of a watched module gets its own forward hooks (agent/models.py)",
+     "tests/test_silent_agent.py::test_ddp_built_again_around_the_same_module_is_still_ddp"),
+]
 
 # The CI slice (tests/test_zoo_quick.py): fast jobs covering the known false
 # alarms and the shapes most likely to find new ones.
@@ -292,6 +313,9 @@ def table(rows: list[dict], steps: int, seeds: int, selected: list[str]) -> str:
                      + " | ".join(margins) + f" | {job.covers} |")
     for name, (dist, why) in NOT_RUN.items():
         lines.append(f"| {name} | {dist} | – | – | – | – | – | **not run**: {why} |" + " – |" * len(GRADED) + " – |")
+    lines += ["", "## False alarms found and fixed", "", "| false alarm | fixed at its cause | test (fails before) |",
+              "|---|---|---|"]
+    lines += [f"| {what} | {how} | {test} |" for what, how, test in FIXED]
     lines += ["", "## Time per job", "",
               "The `s/run` column: wall seconds of one run (start-up included) on this shared 2-core machine; "
               "the whole zoo at 300 steps and 2 seeds is about "
