@@ -298,10 +298,15 @@ class GradChecker:
         cached = self._probe_layout.get(id(param))
         if cached is None or cached[0] != key:
             k = max(1, min(m, round(self.probe_elements * m / self._total_elements)))
-            starts = torch.tensor([(j * m) // k for j in range(k)], dtype=torch.int64)
-            spans = torch.tensor([max(1, ((j + 1) * m) // k - (j * m) // k) for j in range(k)], dtype=torch.int64)
-            rotations = [(starts + torch.remainder(torch.full_like(spans, r * 7919 + len(self._probe_layout)),
-                                                   spans)).to(grad.device) for r in range(PROBE_ROTATIONS)]
+            # Built on the gradient's device: a host-built layout copied with
+            # .to(device) was a blocking copy per rotation per parameter, in
+            # the middle of the backward, whenever probe_elements changed
+            # (issue 25, finding 3).
+            j = torch.arange(k, dtype=torch.int64, device=grad.device)
+            starts = (j * m) // k
+            spans = torch.clamp_min(((j + 1) * m) // k - starts, 1)
+            rotations = [starts + torch.remainder(torch.full_like(spans, r * 7919 + len(self._probe_layout)), spans)
+                         for r in range(PROBE_ROTATIONS)]
             cached = (key, rotations)
             if len(self._probe_layout) < MAX_PARAMETERS:
                 self._probe_layout[id(param)] = cached
