@@ -89,6 +89,9 @@ class HostDevice:
     def memory_snapshot(self) -> Optional[dict[str, Any]]:
         return None
 
+    def memory_summary(self, device: torch.device) -> Optional[str]:
+        return None
+
 
 class AcceleratorDevice:
     """CUDA/ROCm, XPU...: torch's device-generic calls where the installed
@@ -182,6 +185,13 @@ class AcceleratorDevice:
         snapshot = getattr(memory, "_snapshot", None)
         return snapshot() if snapshot is not None else None
 
+    def memory_summary(self, device: torch.device) -> Optional[str]:
+        """The allocator's text summary *of the rank's device* (without a
+        device it describes the current one: GPU 0 on a rank that never
+        called set_device; issue 25, finding 8)."""
+        summary = getattr(self.module, "memory_summary", None)
+        return summary(device) if summary is not None else None
+
 
 def _accelerator_type() -> Optional[str]:
     try:
@@ -222,6 +232,7 @@ class GpuLikeDouble:
         self.allocated: dict[int, int] = collections.defaultdict(int)
         self.reserved: dict[int, int] = collections.defaultdict(int)
         self.peak: dict[int, int] = collections.defaultdict(int)
+        self.total: dict[int, int] = collections.defaultdict(lambda: 80 << 30)  # the device's memory
         self.stats_reads = 0
         self.snapshot: Optional[dict[str, Any]] = None
         self._observers: list[Callable[..., None]] = []
@@ -294,6 +305,11 @@ class GpuLikeDouble:
     def memory_snapshot(self) -> Optional[dict[str, Any]]:
         return self.snapshot
 
+    def memory_summary(self, device: torch.device) -> Optional[str]:
+        index = self._index(device)
+        return (f"memory summary of device {index} (test double): allocated {self.allocated[index]} bytes, "
+                f"reserved {self.reserved[index]} bytes, peak {self.peak[index]} bytes\n")
+
     # what a test does with it
     @contextlib.contextmanager
     def capture(self):
@@ -311,11 +327,14 @@ class GpuLikeDouble:
 
     def raise_oom(self, requested: int) -> None:
         """What the caching allocator does when an allocation fails: the
-        observers run on the allocating thread, then OutOfMemoryError."""
+        observers run on the allocating thread with (device, requested
+        bytes, the device's total memory, its free memory), as
+        c10/cuda/CUDACachingAllocator.h (2.13) calls them; then
+        OutOfMemoryError."""
         index = self.device
-        free = max(0, self.reserved[index] - self.allocated[index])
+        free = max(0, self.total[index] - self.reserved[index])
         for observer in list(self._observers):
-            observer(index, requested, self.allocated[index], free)
+            observer(index, requested, self.total[index], free)
         raise torch.cuda.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {requested} bytes (test double)")
 
 

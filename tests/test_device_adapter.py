@@ -317,3 +317,36 @@ def test_an_oom_that_ends_the_rank_is_oom_with_the_snapshot(agent, gpu, monkeypa
     bundle = unpack(delivered[0][1])
     assert bundle.manifest.reason == "oom"
     assert bundle.get("memory_snapshot.json")["summary"]["allocated_bytes"] > 0
+
+
+def test_an_oom_names_the_device_total_as_such_and_summarises_the_ranks_own_device(agent, gpu, monkeypatch):
+    """Issue 25, finding 8: the allocator calls its OOM observer with
+    (device, requested, device total, device free); the total was stored as
+    `device_allocated_bytes`. And the memory summary was taken without a
+    device: on a rank that never called set_device, GPU 0's."""
+    from rankwatch.agent import bundle as bundle_mod
+
+    gpu.snapshot = json.loads((DATA / "cuda_snapshot.json").read_text())
+    gpu.total[1] = 80 << 30
+    gpu.set_memory(1, 3 << 30, reserved=4 << 30)
+    delivered = []
+    monkeypatch.setattr(bundle_mod, "deliver", lambda agent, archive, incident, timeout=5.0: delivered.append(
+        (incident, archive)))
+    model = DDP(_net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    _train(model, opt, 2)
+    gpu.touched.clear()
+    try:
+        gpu.raise_oom(1 << 33)
+    except torch.cuda.OutOfMemoryError as exc:
+        agent.on_exception(exc)
+    oom = [e for e in agent.events_log if e.kind == "oom"]
+    assert oom, [e.kind for e in agent.events_log]
+    details = oom[0].details
+    assert details["device_total_bytes"] == 80 << 30, details
+    assert details.get("device_allocated_bytes") != 80 << 30, details
+    from rankwatch.bundles import unpack
+
+    bundle = unpack(delivered[0][1])
+    assert "device 1" in bundle.text_members.get("memory_summary.txt", ""), sorted(bundle.text_members)
+    assert 0 not in gpu.touched, "GPU 0 (the current device) was asked about: a context there on CUDA"
