@@ -16,10 +16,11 @@ Three implementations:
 - `HostDevice` (CPU tensors): work is synchronous, so events complete when
   recorded and time between them is host time.
 - `AcceleratorDevice` (CUDA/ROCm, XPU, and any device torch exposes through
-  its device-generic APIs): prefers `torch.accelerator.current_stream` and
-  `torch.Event` (torch >= 2.6) and falls back to the device module
-  (`torch.get_device_module(type)`, torch >= 2.3; `torch.cuda`) on older
-  releases. Every call names the device of the tensors actually used (a
+  its device-generic APIs): the device module's streams and events
+  (`torch.get_device_module(type)`, torch >= 2.3; `torch.cuda`), with
+  `torch.accelerator.current_stream` / `torch.Event` (torch >= 2.6) only for
+  a module that lacks them: `torch.Event`'s CUDA implementation creates a
+  context on the current device (issue 25, finding 4; see `event`). Every call names the device of the tensors actually used (a
   script that never calls `torch.cuda.set_device` has GPU 0 as its current
   device while its tensors live on GPU k: an event recorded on GPU 0's
   stream would not order a copy made on GPU k, and would create a context on
@@ -113,16 +114,25 @@ class AcceleratorDevice:
 
     def _stream(self, device: torch.device):
         # The current stream *of that device* (not of the current device).
-        if self._generic:
+        if getattr(self.module, "current_stream", None) is None and self._generic:
             return torch.accelerator.current_stream(device)
         return self.module.current_stream(device)
 
     def event(self, device: torch.device, timing: bool = False) -> Any:
+        # The device module's own event (torch.cuda.Event) when there is one:
+        # its record, elapsed_time and destructor switch devices with a RAII
+        # guard that creates no context. torch.Event goes through InlineEvent
+        # -> CUDAGuardImpl, whose record/elapsedTime/destroy end with
+        # setDevice(orig): on a rank whose current device is GPU 0 while its
+        # tensors live on GPU k, cudaSetDevice(0) creates a primary context on
+        # GPU 0 (~0.5 GiB per rank; issue 25, finding 4). torch.Event only
+        # for a device module without an Event.
         stream = self._stream(device)
-        if self._generic:
-            ev = torch.Event(device, enable_timing=timing)
+        make = getattr(self.module, "Event", None)
+        if make is not None:
+            ev = make(enable_timing=timing)
         else:
-            ev = self.module.Event(enable_timing=timing)
+            ev = torch.Event(device, enable_timing=timing)
         ev.record(stream)
         return ev
 

@@ -350,3 +350,73 @@ def test_an_oom_names_the_device_total_as_such_and_summarises_the_ranks_own_devi
     bundle = unpack(delivered[0][1])
     assert "device 1" in bundle.text_members.get("memory_summary.txt", ""), sorted(bundle.text_members)
     assert 0 not in gpu.touched, "GPU 0 (the current device) was asked about: a context there on CUDA"
+
+
+class _ModelledCuda:
+    """What CUDA does with the current device during event work (read in
+    torch 2.13's sources, REFERENCE.md "CUDA semantics"): a rank that never
+    called set_device has device 0 current while its tensors live on
+    device k. `torch.Event` goes through InlineEvent -> CUDAGuardImpl, whose
+    record / elapsed_time / destroy end with setDevice(orig): device 0 is
+    made current, and on CUDA 12 that creates a primary context there.
+    `torch.cuda.Event` switches with a RAII guard (MaybeSetDevice) that
+    creates none. `contexts` holds the devices a context was created on."""
+
+    def __init__(self, current: int, tensors_on: int) -> None:
+        self.current = current
+        self.contexts = {tensors_on}
+        outer = self
+
+        class Stream:
+            def __init__(self, index):
+                self.device = torch.device("cuda", index)
+
+        class ModuleEvent:  # torch.cuda.Event
+            def __init__(self, enable_timing=False):
+                self.at = None
+
+            def record(self, stream=None):
+                self.at = time.perf_counter()  # MaybeSetDevice(stream's device): no new context
+
+            def query(self):
+                return True
+
+            def elapsed_time(self, end):
+                return (end.at - self.at) * 1000.0
+
+        class GenericEvent:  # torch.Event
+            def __init__(self, device=None, enable_timing=False):
+                self.at = None
+
+            def record(self, stream=None):
+                self.at = time.perf_counter()
+                outer.contexts.add(outer.current)  # CUDAGuardImpl: setDevice(orig_device)
+
+            def query(self):
+                outer.contexts.add(outer.current)
+                return True
+
+            def elapsed_time(self, end):
+                outer.contexts.add(outer.current)
+                return (end.at - self.at) * 1000.0
+
+        self.Stream, self.Event, self.GenericEvent = Stream, ModuleEvent, GenericEvent
+
+    def current_stream(self, device=None):
+        return self.Stream(self.current if device is None or device.index is None else device.index)
+
+
+def test_event_work_creates_no_context_on_the_current_device(monkeypatch):
+    """Issue 25, finding 4: the accelerator adapter's events on GPU 1, with
+    GPU 0 current (no set_device), must create no context on GPU 0."""
+    cuda = _ModelledCuda(current=0, tensors_on=1)
+    adapter = device_mod.AcceleratorDevice("cpu")  # any device type: its module is the model above
+    adapter.module = cuda
+    monkeypatch.setattr(torch, "Event", cuda.GenericEvent)
+    monkeypatch.setattr(torch.accelerator, "current_stream", cuda.current_stream, raising=False)
+    on = torch.device("cuda", 1)
+    start = adapter.event(on, timing=True)
+    end = adapter.event(on, timing=True)
+    assert adapter.ready(end)
+    assert adapter.elapsed_s(start, end) is not None
+    assert cuda.contexts == {1}, f"contexts on devices {sorted(cuda.contexts)}: GPU 0 got one"
