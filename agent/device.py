@@ -35,7 +35,10 @@ Three implementations:
   capture (during which any event, query or pinned copy is a violation, as
   it would invalidate a CUDA graph), and an OOM it can raise through the
   observer. Tests install it (`install(GpuLikeDouble(...))`) so CPU tests run
-  the logic that CUDA runs.
+  the logic that CUDA runs. Its tensors are CPU tensors to the dispatcher:
+  a host-to-device copy (`torch.tensor(..., device=d)`, `.to(d)`) dispatches
+  nothing, so syncs are looked for on `dispatch_double.DispatchDouble`, a
+  device the dispatcher sees (single process: gloo/DDP cannot carry it).
 """
 
 from __future__ import annotations

@@ -16,6 +16,12 @@ GradScaler's found-inf check), call site for call site.
 
 The last test adds an `.item()` to the gradient hook and checks that this
 test would fail.
+
+Those modes are thread-local and, under the GPU-like double, a host-to-device
+copy dispatches nothing. The tests at the end run real steps on a device
+the dispatcher sees (agent/dispatch_double.py, issue 25): every blocking
+transfer from any thread is counted with its line, and their meta-test adds
+an `.item()` and a `torch.tensor(..., device=d)` to the gradient hook.
 """
 
 from __future__ import annotations
