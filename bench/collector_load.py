@@ -516,10 +516,13 @@ class Simulator:
 
 
 async def _until_all_seen(collector: CollectorProcess, loop, ranks: int, began: float,
-                          deadline_s: float) -> dict[str, Any]:
+                          deadline_s: float, tasks: list) -> dict[str, Any]:
     """Polls the collector until it has seen every rank: the cold start's figure."""
     seen, out = 0, {"all_seen_s": None}
     while time.time() - began < deadline_s:
+        broken = [t for t in tasks if t.done() and t.exception() is not None]
+        if broken:
+            raise RuntimeError(f"a simulated relay failed: {broken[0].exception()!r}") from broken[0].exception()
         await asyncio.sleep(0.5)
         try:
             status = await loop.run_in_executor(None, collector.status)
@@ -554,7 +557,8 @@ async def run_load(url: str, job: Job, mode: str, history: int, measure: float, 
         rng = random.Random(job.ranks)
         began = time.time()
         tasks = [loop.create_task(sim.relay(n, recorded, rng.random())) for n in range(nodes)]
-        cold = await _until_all_seen(collector, loop, job.ranks, began, deadline_s=max(120.0, 6 * sim.interval))
+        cold = await _until_all_seen(collector, loop, job.ranks, began, deadline_s=max(60.0, 6 * sim.interval),
+                                     tasks=tasks)
         await asyncio.sleep(2 * sim.interval)
     else:
         # Start-up spread so the histories arrive at about 1,000 nodes a second.
@@ -624,7 +628,9 @@ async def run_load(url: str, job: Job, mode: str, history: int, measure: float, 
     sim.stop = True
     for task in tasks:
         task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    failed = [r for r in await asyncio.gather(*tasks, return_exceptions=True)
+              if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError)]
+    result["generator_failures"] = [f"{type(e).__name__}: {e}" for e in failed[:3]]
     return result
 
 
