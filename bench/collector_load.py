@@ -391,6 +391,8 @@ class Simulator:
         self.warm = 0  # nodes that sent their history (cold start: whose first report was taken)
         self.started_nodes = 0
         self.bytes_sent = 0
+        self.max_body = 0
+        self.last_ok: dict[int, float] = {}
         self.hang_timeout = 15.0
 
     async def relay(self, node: int, recorded: "Recorded", start: float) -> None:
@@ -446,9 +448,11 @@ class Simulator:
                 if conn is not None:
                     conn[1].close()
                 conn = None
+            self.max_body = max(self.max_body, len(body))
             if ok:
                 if last_step is None:
                     self.warm += 1
+                self.last_ok[node] = time.time()
                 last_step, failures, retry_after = step, 0, None
                 wait = interval
             else:
@@ -538,7 +542,7 @@ async def _until_all_seen(collector: CollectorProcess, loop, ranks: int, began: 
 
 async def run_load(url: str, job: Job, mode: str, history: int, measure: float, hang_timeout: float,
                    collector: CollectorProcess, start: str = "spread",
-                   recorded: Optional["Recorded"] = None) -> dict[str, Any]:
+                   recorded: Optional["Recorded"] = None, outage: float = 0.0) -> dict[str, Any]:
     sim = Simulator(url, job, mode, history)
     nodes = (job.ranks + RANKS_PER_NODE - 1) // RANKS_PER_NODE
     # The collector's cadence at this size (same rule as the service).
@@ -604,6 +608,22 @@ async def run_load(url: str, job: Job, mode: str, history: int, measure: float, 
         "index_degraded": status.get("index_degraded"),
         "status_unavailable": bool(status.get("status_unavailable")),
     }
+    if outage and start == "cold" and mode == "relay":
+        # The collector stops answering (SIGSTOP: connections stay open, requests
+        # time out) for ``outage`` seconds, then resumes; every relay must come back.
+        sim.max_body = 0
+        collector.proc.send_signal(signal.SIGSTOP)
+        await asyncio.sleep(outage)
+        collector.proc.send_signal(signal.SIGCONT)
+        resumed = time.time()
+        deadline = resumed + 180
+        while time.time() < deadline and sum(1 for t in sim.last_ok.values() if t > resumed) < nodes:
+            await asyncio.sleep(0.5)
+        back = sum(1 for t in sim.last_ok.values() if t > resumed)
+        result.update(outage_s=outage, recovered_nodes=back,
+                      all_back_after_s=(max(sim.last_ok.values()) - resumed) if back == nodes else None,
+                      largest_report_bytes_in_outage=sim.max_body)
+        await asyncio.sleep(2 * sim.interval)
     # The hang: one rank stops; everyone else waits in the next collective.
     job.freeze()
     frozen_at = job.frozen_at
@@ -644,7 +664,7 @@ def bench_one(ranks: int, args: argparse.Namespace) -> dict[str, Any]:
         job = Job(ranks, args.step_time, first_step=0 if cold else 100_000,
                   culprit=random.Random(ranks).randrange(ranks))
         result = asyncio.run(run_load(collector.url, job, args.mode, history, args.measure, args.hang_timeout,
-                                      collector, start=start))
+                                      collector, start=start, outage=getattr(args, "outage", 0.0)))
         result["history_steps"] = history
         result["culprit"] = job.culprit
         result["hang_named"] = result.get("hang_ranks") == [job.culprit]
@@ -662,6 +682,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--ranks", default="1000,10000,100000", help="comma-separated rank counts")
     parser.add_argument("--mode", choices=("relay", "direct"), default="relay")
     parser.add_argument("--server", choices=("aiohttp", "stdlib"), default="aiohttp")
+    parser.add_argument("--outage", type=float, default=0.0,
+                        help="seconds the collector stops answering (SIGSTOP) after the steady state, before the hang")
     parser.add_argument("--start", choices=("cold", "spread"), default="cold",
                         help="cold: every relay starts within a second with recorded messages (relay mode)")
     parser.add_argument("--measure", type=float, default=30.0, help="seconds of steady load measured")
@@ -703,6 +725,9 @@ def _line(r: dict[str, Any]) -> str:
             f"tick {_fmt(r['tick_s'], '.3f')} s (max {_fmt(r['tick_max_s'], '.3f')}), generator CPU "
             f"{r['generator_cpu']:.2f} core, hang verdict after {_fmt(r['hang_verdict_after_s'], '.1f')} s "
             f"(deadline {r['hang_deadline_s']:g}), ranks {r.get('hang_ranks')} (culprit {r['culprit']})"
+            + (f", outage {r['outage_s']:g} s: {r['recovered_nodes']} nodes back, all after "
+               f"{_fmt(r['all_back_after_s'], '.1f')} s, largest report {r['largest_report_bytes_in_outage']} B"
+               if r.get("outage_s") else "")
             + (f", error samples {r['error_samples']}" if r["errors"] else ""))
 
 
