@@ -46,7 +46,7 @@ class _Upstream:
             raise CollectorUnreachable("connection refused")
         if self.mode == "busy":
             raise CollectorUnreachable("HTTP 503: behind", status=503, retry_after=30.0)
-        return {"commands": [], "version": wire.WIRE_VERSION}
+        return {"commands": [], "version": wire.WIRE_VERSION, "interval": 2.0}  # a collector at 8,000 ranks
 
 
 def _relay(upstream, **kwargs) -> Relay:
@@ -61,6 +61,9 @@ def test_a_big_jobs_relay_starts_at_the_collectors_cadence_for_its_size():
     assert _relay(_Upstream(), world_size=100_000, hang_timeout=6.0).interval == 3.0  # half the hang timeout
     assert _relay(_Upstream(), world_size=16).interval == 1.0
     assert _relay(_Upstream()).interval == 1.0  # size unknown: the heartbeat cadence
+    guessed = _relay(_Upstream(), world_size=100_000)
+    guessed._take_reply({"commands": [], "version": wire.WIRE_VERSION})  # the collector asks for none
+    assert guessed.interval == 1.0
 
 
 def test_relays_started_together_send_their_first_reports_spread_over_the_interval():

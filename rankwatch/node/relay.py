@@ -380,6 +380,8 @@ class Relay:
         interval = getattr(reply, "interval", None)
         if isinstance(interval, (int, float)) and 0.2 <= interval <= 60:
             self.interval = max(self._base_interval, float(interval))
+        else:  # the collector's word wins over the start-up guess: no cadence asked, the base one
+            self.interval = self._base_interval
         stride = getattr(reply, "step_stride", None)
         self.sampler.stride = stride if isinstance(stride, int) and stride >= 1 else 1
 
