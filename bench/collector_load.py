@@ -240,11 +240,14 @@ class Recorded:
         full = [r for r in reports if len(r["heartbeats"]) == RANKS_PER_NODE
                 and all(hb.get("step_rows") for hb in r["heartbeats"])
                 and not any(e.get("kind") == "exit" for hb in r["heartbeats"] for e in hb.get("events") or [])]
-        by_rank = [{hb["identity"]["local_rank"]: hb for hb in r["heartbeats"]} for r in full]
-        has_facts = [any(hb.get("events") for hb in beats.values()) for beats in by_rank]
-        first = has_facts.index(True) if True in has_facts else 0
-        self.startup = by_rank[first]  # the first steps' beats: the job's facts (train_config events)
-        self.steady = by_rank[first + 1:]
+        whole = [r for r in reports if len(r["heartbeats"]) == RANKS_PER_NODE
+                 and not any(e.get("kind") == "exit" for hb in r["heartbeats"] for e in hb.get("events") or [])]
+        facts = [r for r in whole if all(hb.get("events") for hb in r["heartbeats"])]
+        # The first steps' beats: the job's facts (train_config events), sent once.
+        self.startup = {hb["identity"]["local_rank"]: hb for hb in (facts or full)[0]["heartbeats"]}
+        startup_step = self.startup[0]["step"]
+        self.steady = [{hb["identity"]["local_rank"]: hb for hb in r["heartbeats"]} for r in full
+                       if r["heartbeats"][0]["step"] > startup_step]
         self.steps = [beats[0]["step"] for beats in self.steady]
         enq = [int(beats[0]["collectives_enqueued"]["0"]) for beats in self.steady]
         self.seq_per_step = max(1, round((enq[-1] - enq[0]) / max(1, self.steps[-1] - self.steps[0])))
@@ -254,9 +257,20 @@ class Recorded:
 
         self.samplers = {local: StepSampler() for local in range(RANKS_PER_NODE)}
         self._cache: dict[tuple, bytes] = {}
+        self._beats: dict[tuple, dict[str, Any]] = {}
 
     def beat_at(self, local: int, step: int, job: "Job", startup: bool = False) -> dict[str, Any]:
-        """The recorded beat of ``local`` that stands for ``step``, shifted there."""
+        """The recorded beat of ``local`` that stands for ``step``, shifted there
+        (shared: never changed by its users; `merge_beats` makes new dicts)."""
+        key = (local, step, startup)
+        beat = self._beats.get(key)
+        if beat is None:
+            if len(self._beats) > 4096:
+                self._beats.clear()
+            beat = self._beats[key] = self._shifted(local, step, job, startup)
+        return beat
+
+    def _shifted(self, local: int, step: int, job: "Job", startup: bool) -> dict[str, Any]:
         k = step % len(self.steady)
         beat = json.loads(json.dumps(self.startup[local] if startup else self.steady[k][local]))
         offset = step - beat["step"]
@@ -303,8 +317,8 @@ class Recorded:
         for s in range(max(first, step - 63), step + 1):  # at most 64 steps per report (a 64-s cadence)
             beat = self.beat_at(local, s, job, startup=since is None and s == first)
             merged = merge_beats(merged, sampler.sample(local, beat))
-        if merged is None:  # no new step (frozen): the state alone
-            merged = self.beat_at(local, step, job)
+        merged = dict(merged if merged is not None else self.beat_at(local, step, job))  # changed below
+        if since is not None and since >= step:  # no new step (frozen): the state alone
             for key_ in ("step_rows", "marks", "events", "fingerprints"):
                 merged.pop(key_, None)
         if frozen:
