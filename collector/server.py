@@ -535,8 +535,13 @@ class AsyncCollectorServer:
             ticket = None
             if method == "POST" and path in INGEST_PATHS:
                 ticket = server.admission.enter()
-                if ticket is None:  # behind: answered before the body is read or decoded
-                    return _aio_response(web, server.admission.shed_response())
+                if ticket is None:  # behind: answered before the body is decoded
+                    response = _aio_response(web, server.admission.shed_response())
+                    if request.content.is_eof():
+                        await request.read()  # already buffered: taken (not decoded), the connection kept
+                    else:
+                        response.force_close()  # still arriving: not waited for
+                    return response
             try:
                 return await ingest_or_route(request, protocol, method, path, ticket)
             finally:
