@@ -271,8 +271,19 @@ class Recorded:
         return beat
 
     def _shifted(self, local: int, step: int, job: "Job", startup: bool) -> dict[str, Any]:
+        if startup:
+            # A node's first report at a later step: the steady beat of that step
+            # (its sequence numbers follow the job's), plus the start-up facts.
+            # Shifting the start-up beat's own marks would put the init
+            # collectives' numbers at a later step: a mismatch the job never had.
+            beat = self._shifted(local, step, job, False)
+            facts = json.loads(json.dumps(self.startup[local].get("events") or []))
+            dt = job.time_of(step) - self.startup[local]["last_progress_at"]
+            for event in facts:
+                event["step"], event["at"] = step, event["at"] + dt
+            return {**beat, "events": facts + list(beat.get("events") or [])}
         k = step % len(self.steady)
-        beat = json.loads(json.dumps(self.startup[local] if startup else self.steady[k][local]))
+        beat = json.loads(json.dumps(self.steady[k][local]))
         offset = step - beat["step"]
         dt = job.time_of(step) - beat["last_progress_at"]
         beat.pop("identity", None)
