@@ -24,7 +24,8 @@ def build(run: RunState, verdicts: list[wire.Verdict]) -> wire.Report:
         if vid != v.id:
             ordered[i] = dataclasses.replace(v, id=vid)
     return wire.Report(run_id=run.run_id, world_size=world,
-                       status="faulty" if ordered else "healthy", verdicts=ordered, notes=notes(run))
+                       status="faulty" if ordered else "healthy", verdicts=ordered, notes=notes(run),
+                       termination=run.termination)
 
 
 def notes(run: RunState) -> list[str]:

@@ -658,11 +658,17 @@ class Collector:
 
     # -- end of a run ------------------------------------------------------------------------
     def finish(self, run_id: str, interrupted: bool = False,
-               exits: Optional[dict[int, tuple[int, float]]] = None) -> wire.Report:
-        """The launcher is done: record what it knows, analyse a last time."""
+               exits: Optional[dict[int, tuple[int, float]]] = None,
+               termination: Optional[wire.Termination] = None) -> wire.Report:
+        """The launcher is done: record what it knows, analyse a last time.
+        A launcher that says something outside ended the job (``termination``)
+        makes its ranks' signal deaths consequences of that, never a crash."""
         with self._lock:
             run = self._run(run_id)
-            run.interrupted = run.interrupted or interrupted
+            run.interrupted = run.interrupted or interrupted or termination is not None
+            if run.termination is None or (termination is not None and termination.by == "scheduler"
+                                           and run.termination.by != "scheduler"):
+                run.termination = termination or run.termination
             rt = self._runtime(run_id)
             for rank, (code, at) in (exits or {}).items():
                 state = run.rank(rank)

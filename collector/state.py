@@ -348,6 +348,9 @@ class RunState:
     finished: bool = False
     interrupted: bool = False
     aborted: Optional[str] = None  # why rankwatch ended the job
+    # How something outside ended the job (a scheduler, a signal): the
+    # launchers say so at the end; the first one told is kept.
+    termination: Optional[wire.Termination] = None
     # When any rank last made progress, on the collector's clock: the agents'
     # own progress times (corrected by each rank's clock offset), never the
     # arrival time of a late heartbeat.

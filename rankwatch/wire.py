@@ -259,12 +259,30 @@ class ExitRecord:
 
 
 @dataclass
+class Termination:
+    """How something outside the job ended it (CONTRACT additions 2026-11-25):
+    a scheduler (Slurm's scancel, time limit, preemption) or a signal from
+    elsewhere. Not a verdict: it names no culprit."""
+
+    by: str  # "scheduler" | "signal"
+    reason: str  # "cancelled" | "time_limit" | "preempted" | "unknown"
+    signal: str  # "SIGTERM", "SIGUSR1", ...
+    at: str  # ISO-8601 UTC: when the launcher first saw it
+    source: str  # "SLURM_JOB_ID 4242 (scontrol: JobState=CANCELLED)", "a signal to the launcher (pid 77)"
+
+
+TERMINATION_BY = ("scheduler", "signal")
+TERMINATION_REASONS = ("cancelled", "time_limit", "preempted", "unknown")
+
+
+@dataclass
 class FinishRequest:
     """Launcher -> collector: the job is over; what torchrun saw of the exits."""
 
     interrupted: bool = False
     exits: dict[str, ExitRecord] = field(default_factory=dict)
     version: int = WIRE_VERSION
+    termination: Optional[Termination] = None  # newer launchers: how an outside ending came
 
 
 # --------------------------------------------------------------------------
@@ -330,6 +348,8 @@ class Report:
     # Observations that are not faults (added to the contract, not changing it):
     # parameters without gradients, always-zero gradients.
     notes: list[str] = field(default_factory=list)
+    # null when the job ended by itself; how something outside ended it otherwise.
+    termination: Optional[Termination] = None
 
 
 # --------------------------------------------------------------------------
@@ -691,6 +711,8 @@ _RULES: dict[str, Any] = {
     "Command.kind": _token, "Command.incident": _id_or_empty, "Command.ranks": _each(_rank),
     "ExitRecord.exit_code": _exit_code, "ExitRecord.exited_at": _time,
     "FinishRequest.exits": _keys(_rank_key),
+    "Termination.by": _one_of(*TERMINATION_BY), "Termination.reason": _one_of(*TERMINATION_REASONS),
+    "Termination.signal": _token, "Termination.at": _short_text, "Termination.source": _short_text,
     "BundleManifest.run_id": _id, "BundleManifest.rank": _rank, "BundleManifest.local_rank": _rank,
     "BundleManifest.world_size": _int_range(1, MAX_WORLD_SIZE), "BundleManifest.host": _host,
     "BundleManifest.pid": _pid_or_unknown, "BundleManifest.step": _count, "BundleManifest.created_at": _time,

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from rankwatch import config as config_mod
-from rankwatch import wire
+from rankwatch import slurm, wire
 
 OUR_OPTIONS = ("run_dir", "collector", "hang_timeout", "on_hang", "config")
 OUR_FLAGS = frozenset({"--run-dir", "--collector", "--hang-timeout", "--on-hang", "--config"})
@@ -75,6 +75,11 @@ def make_run_id(args: argparse.Namespace) -> str:
         return _safe(env_id)  # the collector accepts run ids of the wire pattern only (SECURITY.md)
     if args.rdzv_id and args.rdzv_id != "none":
         return _safe(args.rdzv_id)
+    task = _slurm_task()
+    if task is not None and task.in_step:
+        # Under srun every node agrees on the job and step ids; a requeue is a
+        # new attempt of the same run (SLURM_RESTART_COUNT in the id).
+        return _safe(slurm.run_id(task))
     if not args.standalone and str(args.nnodes) not in ("1", "1:1"):
         # Every node of a multi-node job must agree on the id: derive it from the rendezvous.
         endpoint = args.rdzv_endpoint or f"{args.master_addr}:{args.master_port}"
@@ -86,6 +91,127 @@ def _safe(text: str) -> str:
     # wire.ID_PATTERN: ASCII letters, digits, '-', '_', '.', no leading dot.
     cleaned = "".join(c if (c.isascii() and c.isalnum()) or c in "-_." else "-" for c in text)[:128].lstrip(".")
     return cleaned or "run"
+
+
+def _slurm_task() -> Optional[slurm.SlurmTask]:
+    """The Slurm task this launcher runs as (None outside Slurm, or with
+    RANKWATCH_SLURM=0: then the allocation is ignored)."""
+    if os.environ.get("RANKWATCH_SLURM", "").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    return slurm.task_from_env(os.environ)
+
+
+_NOT_GIVEN = object()
+
+
+def _given_options(argv: list[str]) -> set[str]:
+    """The torchrun options of slurm.FILLABLE the user set, by flag (any
+    spelling torchrun accepts) or by its PET_* variable."""
+    parser = build_parser()
+    parser.set_defaults(**{name: _NOT_GIVEN for name in slurm.FILLABLE})
+    with contextlib.redirect_stderr(open(os.devnull, "w")):
+        parsed = parser.parse_args(argv)  # parsed once already: cannot fail here
+    return {name for name in slurm.FILLABLE
+            if getattr(parsed, name, _NOT_GIVEN) is not _NOT_GIVEN or f"PET_{name.upper()}" in os.environ}
+
+
+def apply_slurm(args: argparse.Namespace, argv: list[str], task: Optional[slurm.SlurmTask]) -> list[str]:
+    """``srun rankwatch run``: torchrun's node options from the step, where
+    the user gave none. Outside a step (a batch script itself) nothing."""
+    if task is None or not task.in_step:
+        return []
+    return slurm.fill_launch(args, _given_options(argv), task)
+
+
+class _OutsideEnding:
+    """The first signal from outside that the launcher got (the scheduler's
+    SIGTERM, a --signal warning, a kill, Ctrl-C): what report.json's
+    ``termination`` is made from."""
+
+    def __init__(self) -> None:
+        self.signal: Optional[str] = None
+        self.at: float = 0.0
+
+    def note(self, signum: int) -> None:
+        if self.signal is None:
+            self.signal, self.at = signal.Signals(signum).name, time.time()
+
+
+@contextlib.contextmanager
+def _noting_signals(ending: _OutsideEnding, task: Optional[slurm.SlurmTask]):
+    """torchrun's termination handler, noting the signal first. Under Slurm a
+    ``--signal=USR1@N`` warning is noted and the launcher goes on (without a
+    handler, SIGUSR1 would end the launcher at once and lose the report); the
+    workers get Slurm's signal themselves, as they would without rankwatch."""
+    from torch.distributed.elastic.multiprocessing import api as mp_api
+
+    original = mp_api._terminate_process_handler
+
+    def handler(signum, frame):
+        ending.note(signum)
+        return original(signum, frame)
+
+    mp_api._terminate_process_handler = handler
+    previous = {}
+    if task is not None and threading_main():
+        for sig in (signal.SIGUSR1, signal.SIGUSR2):
+            with contextlib.suppress(ValueError, OSError):
+                previous[sig] = signal.signal(sig, lambda signum, frame: ending.note(signum))
+    try:
+        yield
+    finally:
+        mp_api._terminate_process_handler = original
+        for sig, old in previous.items():
+            with contextlib.suppress(ValueError, OSError, TypeError):
+                signal.signal(sig, old)
+
+
+def threading_main() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def outside_ending(ending: _OutsideEnding, task: Optional[slurm.SlurmTask],
+                   exits: dict[int, tuple[int, float]],
+                   state_of: Callable[[str], Optional[slurm.JobState]] = slurm.job_state) -> Optional[wire.Termination]:
+    """report.json's ``termination``: None when the job ended by itself.
+
+    Under Slurm, Slurm's view of the job (scontrol) says whether it ended the
+    job (a cancel, a time limit, a preemption), asked when the launcher got a
+    signal or a worker died by one (Slurm signals every process of the step;
+    a worker may go first). A signal Slurm did not send, or any signal
+    outside Slurm, is ``by: signal``."""
+    signalled = sorted((at, -code) for code, at in exits.values() if code < 0)
+    if ending.signal is None and not (task is not None and signalled):
+        return None
+    if task is not None:
+        name = ending.signal or _signal_name(signalled[0][1])
+        at = ending.at or signalled[0][0]
+        found = slurm.scheduler_ending(task, name, at, state_of=state_of)
+        if found is not None and (found.reason != "unknown" or ending.signal is not None):
+            return found
+    if ending.signal is None:
+        return None  # a worker killed by something else: a crash, the analyses' to name
+    return slurm.signal_ending(ending.signal, ending.at)
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def write_termination(run_dir: Path, termination: Optional[wire.Termination]) -> None:
+    """The ending, in the run dir for `rankwatch analyze` (collector.offline
+    reads it back)."""
+    if termination is None:
+        return
+    from rankwatch.collector.offline import TERMINATION_FILE
+
+    with contextlib.suppress(OSError):
+        (run_dir / TERMINATION_FILE).write_text(wire.json_text(wire.to_dict(termination), indent=2) + "\n")
 
 
 def worker_environment(run_dir: Path) -> dict[str, str]:
@@ -234,6 +360,11 @@ def run(argv: list[str]) -> int:
         parser.error(str(exc))
     if not args.training_script:
         parser.error("a training script (or -m MODULE) is required")
+    task = _slurm_task()
+    try:
+        filled = apply_slurm(args, argv, task)
+    except slurm.SlurmError as exc:
+        parser.error(str(exc))
 
     run_id = make_run_id(args)
     run_dir = _usable_run_dir(Path(cfg.run_dir or Path("rankwatch-runs") / run_id).resolve(), run_id)
@@ -288,19 +419,27 @@ def run(argv: list[str]) -> int:
                                 host=os.environ.get("RANKWATCH_HOST") or socket.gethostname(),
                                 expected_workers=_local_world_size(args), announce=embedded is None)
     supervisor.start()
+    if filled:
+        _say(f"Slurm job {task.job_id} step {task.step_id}: " + ", ".join(filled))
+    if task is not None and task.in_step and str(args.nnodes) not in ("1", "1:1") and embedded is not None:
+        _say("a multi-node job with the embedded collector: this node's report covers its own ranks only; "
+             "give --collector URL (a `rankwatch collector serve` every node reaches, see examples/slurm/) "
+             "for one report of the whole job")
     _say(f"run {run_id}: collector {collector_url}{' (embedded)' if embedded else ''}, run dir {run_dir}"
          + (f", metrics {collector_url}/metrics" if embedded else ""))
     _announce_page(run_id, collector_url, embedded, server, remote, make_known=supervisor.report_now)
 
     exit_code = 0
     interrupted = False
+    ending = _OutsideEnding()
     exits: dict[int, tuple[int, float]] = {}
     import torch.distributed.run as torch_run
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
-        with _bootstrap_entrypoint(), _interrupt_handling(lambda: _hang_diagnosed(embedded, run_id)):
+        with _bootstrap_entrypoint(), _interrupt_handling(lambda: _hang_diagnosed(embedded, run_id)), \
+                _noting_signals(ending, task):
             torch_run.run(args)
     except ChildFailedError as exc:
         exit_code = 1
@@ -311,6 +450,7 @@ def run(argv: list[str]) -> int:
         exit_code = 128 + int(exc.sigval)
     except KeyboardInterrupt:
         interrupted = True
+        ending.note(signal.SIGINT)
         exit_code = 128 + signal.SIGINT
     except SystemExit as exc:
         exit_code = exc.code if isinstance(exc.code, int) else 1
@@ -318,14 +458,16 @@ def run(argv: list[str]) -> int:
         exit_code = 1
         _say(f"launch failed: {type(exc).__name__}: {exc}")
     finally:
-        _finish(run_id, run_dir, supervisor, embedded, server, remote, interrupted, exits, relay=relay)
+        _finish(run_id, run_dir, supervisor, embedded, server, remote, interrupted, exits, relay=relay,
+                ending=lambda merged: outside_ending(ending, task, merged))
     if supervisor.aborted and exit_code == 0:
         exit_code = 1
     return exit_code
 
 
 def _finish(run_id, run_dir, supervisor, embedded, server, remote, interrupted, exits,
-            relay=None) -> Optional[wire.Report]:
+            relay=None, ending: Callable[[dict], Optional[wire.Termination]] = lambda exits: None
+            ) -> Optional[wire.Report]:
     """Always write report.json: collect late bundles, analyse a last time.
 
     Nothing here may change the job's exit status or end in a traceback: a
@@ -333,6 +475,7 @@ def _finish(run_id, run_dir, supervisor, embedded, server, remote, interrupted, 
     this node saw; a run dir that cannot be written gives the report in the
     temp dir (or only the printed summary)."""
     report = None
+    termination: Optional[wire.Termination] = None
     collector_used = embedded is not None  # a standalone collector's: once its report is taken
     try:
         supervisor.stop()
@@ -341,10 +484,17 @@ def _finish(run_id, run_dir, supervisor, embedded, server, remote, interrupted, 
         _upload_spool(run_dir, remote)
         _wait_for_crash_bundles(embedded, run_id)
         exits = _node_exits(exits, supervisor)
+        try:
+            termination = ending(exits)
+        except Exception as exc:  # never in the way of the report
+            _say(f"how the job ended could not be told ({type(exc).__name__}: {exc})")
+        if termination is not None:
+            interrupted = True  # the ranks' signal deaths follow from it: no culprit
+            write_termination(run_dir, termination)
         if embedded is not None:
-            report = embedded.finish(run_id, interrupted=interrupted, exits=exits)
+            report = embedded.finish(run_id, interrupted=interrupted, exits=exits, termination=termination)
         else:
-            report, problem = _collector_report(run_id, remote, interrupted, exits)
+            report, problem = _collector_report(run_id, remote, interrupted, exits, termination)
             collector_used = problem is None
             if problem is not None:
                 _say(f"the collector at {remote.url} could not be used at the end ({problem}); "
@@ -363,6 +513,8 @@ def _finish(run_id, run_dir, supervisor, embedded, server, remote, interrupted, 
             _say(f"node-side analysis failed too ({type(inner).__name__}: {inner})")
             report = exits_report(run_id, exits)
     finally:
+        if report is not None and report.termination is None:
+            report.termination = termination  # a report built on this node, or an older collector's
         if report is not None:
             written = _write_report(report, run_dir)
             _write_page(report, run_dir, written,
@@ -390,12 +542,13 @@ def _node_exits(exits: dict[int, tuple[int, float]], supervisor: Any) -> dict[in
     return merged
 
 
-def _collector_report(run_id: str, remote: Any, interrupted: bool,
-                      exits: dict[int, tuple[int, float]]) -> tuple[Optional[wire.Report], Optional[str]]:
+def _collector_report(run_id: str, remote: Any, interrupted: bool, exits: dict[int, tuple[int, float]],
+                      termination: Optional[wire.Termination] = None
+                      ) -> tuple[Optional[wire.Report], Optional[str]]:
     """The standalone collector's final report, or why it cannot be used: it
     is down, answers something that is not a report, a report of another
     run, or a report that calls a job healthy while one of its ranks failed."""
-    request = wire.FinishRequest(interrupted=interrupted,
+    request = wire.FinishRequest(interrupted=interrupted, termination=termination,
                                  exits={str(r): wire.ExitRecord(exit_code=c, exited_at=t) for r, (c, t) in exits.items()})
     try:
         raw = remote.post(f"/v1/runs/{run_id}/finish", wire.dumps(request), "application/json", timeout=30)

@@ -26,6 +26,11 @@ def text(report: wire.Report) -> str:
     lines = [f"rankwatch: run {report.run_id} ({report.world_size} ranks): {report.status.upper()}"]
     if not report.verdicts:
         lines.append("  no faults found")
+    ending = report.termination
+    if ending is not None:
+        who = "the scheduler" if ending.by == "scheduler" else "a signal from outside"
+        lines.append(f"  ended by {who}: {ending.reason.replace('_', ' ')} ({ending.signal} at {ending.at}; "
+                     f"{ending.source})")
     for note in report.notes:
         lines.append(f"  note: {note}")
     for v in report.verdicts:
