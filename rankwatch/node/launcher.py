@@ -365,6 +365,8 @@ def run(argv: list[str]) -> int:
         filled = apply_slurm(args, argv, task)
     except slurm.SlurmError as exc:
         parser.error(str(exc))
+    if task is not None and task.in_step and task.node_name and not os.environ.get("RANKWATCH_HOST"):
+        os.environ["RANKWATCH_HOST"] = task.node_name  # verdicts name the node as Slurm (and its user) knows it
 
     run_id = make_run_id(args)
     run_dir = _usable_run_dir(Path(cfg.run_dir or Path("rankwatch-runs") / run_id).resolve(), run_id)
@@ -466,8 +468,8 @@ def run(argv: list[str]) -> int:
 
 
 def _finish(run_id, run_dir, supervisor, embedded, server, remote, interrupted, exits,
-            relay=None, ending: Callable[[dict], Optional[wire.Termination]] = lambda exits: None
-            ) -> Optional[wire.Report]:
+            relay=None, ending: Callable[[dict], Optional[wire.Termination]] = lambda exits: None,
+            write_files: bool = True) -> Optional[wire.Report]:
     """Always write report.json: collect late bundles, analyse a last time.
 
     Nothing here may change the job's exit status or end in a traceback: a
@@ -490,7 +492,8 @@ def _finish(run_id, run_dir, supervisor, embedded, server, remote, interrupted, 
             _say(f"how the job ended could not be told ({type(exc).__name__}: {exc})")
         if termination is not None:
             interrupted = True  # the ranks' signal deaths follow from it: no culprit
-            write_termination(run_dir, termination)
+            if write_files:
+                write_termination(run_dir, termination)
         if embedded is not None:
             report = embedded.finish(run_id, interrupted=interrupted, exits=exits, termination=termination)
         else:
@@ -515,7 +518,7 @@ def _finish(run_id, run_dir, supervisor, embedded, server, remote, interrupted, 
     finally:
         if report is not None and report.termination is None:
             report.termination = termination  # a report built on this node, or an older collector's
-        if report is not None:
+        if report is not None and write_files:
             written = _write_report(report, run_dir)
             _write_page(report, run_dir, written,
                         embedded.runs.get(run_id) if embedded is not None and collector_used else None,

@@ -12,7 +12,7 @@ from rankwatch import wire
 
 def write(report: wire.Report, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # launchers of several nodes may share the run dir
     try:
         tmp.write_text(wire.json_text(wire.to_dict(report), indent=2) + "\n")  # strict JSON: NaN as "NaN"
         os.replace(tmp, path)
