@@ -8,11 +8,14 @@ node-list syntax (``n[01-04,7]``, several bracket groups, suffixes) and a
 node's ``NodeAddr``, which is how Slurm itself reaches a node and need not be
 its name. ``scontrol`` is on every node that can run ``srun``.
 
-How a job ended (``scontrol show job``'s ``JobState``) tells a cancel
-(``CANCELLED``), a time limit (``TIMEOUT``, ``DEADLINE``) and a preemption
-(``PREEMPTED``) apart. What cannot be told: who sent a signal (Python's
-handlers do not see the sender), and a ``--signal`` warning is told apart from
-any other signal only by the job still running with a time limit set.
+How a job ended (``scontrol show job``'s ``JobState`` and ``Reason``) tells a
+cancel, a time limit and a preemption apart. While the job's processes still
+run (the report is written then, in Slurm's KillWait grace) the state is
+``COMPLETING``: a time limit says ``Reason=TimeLimit``, a preemption a
+``Preempt...`` reason, a cancel none. What cannot be told: who sent a signal
+(Python's handlers do not see the sender); a cancel from a batch script that
+ended under its steps; a ``--signal`` warning is told apart from any other
+signal only by the job still running with a time limit set.
 """
 
 from __future__ import annotations
@@ -275,6 +278,19 @@ def scheduler_ending(task: SlurmTask, signal_name: str, at: float,
                                 source=f"{said} (scontrol could not tell how the job ended)"[:256])
     name = state.state.split("+")[0]
     reason = STATE_REASONS.get(name)
+    if reason is None and name == "COMPLETING":
+        # Slurm is ending the job while its steps run: scontrol shows only
+        # COMPLETING then (the CANCELLED/TIMEOUT state comes once every
+        # process is gone, too late for the report); its Reason tells a time
+        # limit or a preemption; without one, a cancel (a batch script that
+        # ended under its steps looks the same: that cannot be told).
+        said_reason = state.reason.lower()
+        if "timelimit" in said_reason or "time_limit" in said_reason or "deadline" in said_reason:
+            reason = "time_limit"
+        elif "preempt" in said_reason:
+            reason = "preempted"
+        elif signal_name in TERMINATION_SIGNALS and state.restarts <= task.restart_count:
+            reason = "cancelled"
     if reason is None and name in ("RUNNING", "COMPLETING") and signal_name not in TERMINATION_SIGNALS \
             and state.time_limit not in ("", "UNLIMITED", "Partition_Limit"):
         reason = "time_limit"

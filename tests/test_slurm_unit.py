@@ -100,16 +100,23 @@ def state(job_state, **kw):
     return lambda job_id: slurm.JobState(state=job_state, **kw)
 
 
-@pytest.mark.parametrize("job_state,sig,reason", [
-    ("CANCELLED", "SIGTERM", "cancelled"),
-    ("TIMEOUT", "SIGTERM", "time_limit"),
-    ("PREEMPTED", "SIGTERM", "preempted"),
+# What scontrol showed in the test cluster (Slurm 22.05) while a step's
+# processes ran after a scancel and after a time limit: COMPLETING, and the
+# Reason; the final states for completeness.
+@pytest.mark.parametrize("job_state,said,sig,reason", [
+    ("COMPLETING", "None", "SIGTERM", "cancelled"),
+    ("COMPLETING", "TimeLimit", "SIGTERM", "time_limit"),
+    ("COMPLETING", "Preemption", "SIGTERM", "preempted"),
+    ("CANCELLED", "None", "SIGTERM", "cancelled"),
+    ("TIMEOUT", "TimeLimit", "SIGTERM", "time_limit"),
+    ("PREEMPTED", "None", "SIGTERM", "preempted"),
 ])
-def test_slurm_job_states_become_the_termination_reason(job_state, sig, reason):
+def test_slurm_job_states_become_the_termination_reason(job_state, said, sig, reason):
     task = slurm.task_from_env(STEP_ENV)
     ending = launcher._OutsideEnding()
     ending.signal, ending.at = sig, 1_700_000_000.25
-    found = launcher.outside_ending(ending, task, {0: (-15, 1_700_000_000.3)}, state_of=state(job_state))
+    found = launcher.outside_ending(ending, task, {0: (-15, 1_700_000_000.3)},
+                                    state_of=state(job_state, reason=said))
     assert found == wire.Termination(by="scheduler", reason=reason, signal=sig, at="2023-11-14T22:13:20.250Z",
                                      source=found.source)
     assert found.source.startswith("SLURM_JOB_ID 4242 step 0 (scontrol: JobState=" + job_state)
