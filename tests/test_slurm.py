@@ -128,7 +128,8 @@ def test_two_nodes_give_the_verdicts_of_rankwatch_run(cluster, tmp_path, path, f
         json.dumps(report, indent=1)[:3000] + text[-3000:]
     assert fields["JobState"] == job_state
     # The culprit is named by the Slurm node it ran on (torchrun's c10d rendezvous picks which node gets rank 1).
-    assert re.search(r"rank 1 on n[12]\b", report["verdicts"][0]["summary"]), report["verdicts"][0]["summary"]
+    if kind in ("crash", "hang"):
+        assert re.search(r"rank 1 on n[12]\b", report["verdicts"][0]["summary"]), report["verdicts"][0]["summary"]
 
 
 @pytest.mark.parametrize("path", ["torchrun", "exec"])
