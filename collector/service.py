@@ -643,14 +643,23 @@ class Collector:
         """A named stall, each tick: ended by itself (progress again: a note,
         not a verdict), or, with on_hang abort, shown stuck (the job is
         ended). Anything in between waits."""
-        if self._stall_ended(run, incident):
-            return
-        if run.on_hang != "abort" or run.aborted:
-            return
         found = hang.diagnose(run, incident, now, final=False)
-        if found is None:
+        # A rank frozen holding the GIL (its heartbeat thread stopped too) is
+        # stuck as named: the supervisor's stack signal may break its wait,
+        # and a stall rankwatch ended is not one that ended by itself.
+        frozen = found is not None and str(found.evidence.get("reason", "")).startswith("is frozen")
+        if frozen:
+            incident.details["frozen"] = True
+        elif self._stall_ended(run, incident):
             return
-        reason = stuck.stuck(run, incident, list(found.ranks), now, self.config, stale_after)
+        if run.on_hang != "abort" or run.aborted or found is None:
+            return
+        if frozen:
+            reason = {"rule": "its interpreter frozen holding the GIL (heartbeat thread stopped) when named",
+                      "ranks": {str(r): {"rule": "frozen"} for r in found.ranks},
+                      "stalled_for_s": round(now - incident.last_progress_at, 1)}
+        else:
+            reason = stuck.stuck(run, incident, list(found.ranks), now, self.config, stale_after)
         if reason is None:
             return
         incident.details.pop("open", None)
@@ -716,7 +725,7 @@ class Collector:
                     state.killed_by_rankwatch = rt.abort_sent
             for incident in run.incidents:
                 incident.details.pop("abort_pending", None)  # the job is over
-                if incident.kind == "hang" and incident.details.get("open"):
+                if incident.kind == "hang" and incident.details.get("open") and not incident.details.get("frozen"):
                     self._stall_ended(run, incident)  # progress in the ranks' last beats
                 if not incident.ready:
                     incident.ready = True
