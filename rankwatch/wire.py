@@ -150,6 +150,15 @@ class Heartbeat:
     step_rows: list[list[Any]] = field(default_factory=list)
     # Step records this beat left out (high step rates: every 2^k-th kept).
     steps_skipped: int = 0
+    # While the rank has made no progress for a while (a stall): what its
+    # process did, cumulative since it started, rankwatch's own threads left
+    # out: CPU seconds of its threads and child processes, and bytes its
+    # threads read and wrote through files (/proc rchar + wchar). The
+    # collector tells a rank that works (an upload, an evaluation) from one
+    # that is stuck by these (collector/stuck.py). None: not sampled.
+    busy_cpu_s: Optional[float] = None
+    io_bytes: Optional[int] = None
+    wakeups: Optional[int] = None  # context switches of those threads (a thread waiting on a socket wakes)
 
 
 @dataclass
@@ -701,6 +710,8 @@ _RULES: dict[str, Any] = {
     "Heartbeat.collectives_completed": _both(_keys(_short_text), _each(_seq)),
     "Heartbeat.host_memory": _both(_keys(_token), _each(_bytes)),
     "Heartbeat.fingerprints": _fingerprints, "Heartbeat.steps_skipped": _count,
+    "Heartbeat.busy_cpu_s": _float_range(0.0, MAX_TIME), "Heartbeat.io_bytes": _int_range(0, MAX_INT),
+    "Heartbeat.wakeups": _int_range(0, MAX_INT),
     "Heartbeat.step_columns": _each(_token),
     "WorkerStatus.local_rank": _rank, "WorkerStatus.rank": _rank, "WorkerStatus.pid": _int_range(1, MAX_PID),
     "WorkerStatus.exit_code": _exit_code, "WorkerStatus.exited_at": _time,
