@@ -512,3 +512,22 @@ def test_every_verdict_in_a_report_has_an_id_unique_within_it():
     ids = [v.id for v in built.verdicts]
     assert ids == ["straggler@7:r1-3", "straggler@7:r1-3#2", "hang@none:r0"]
     assert json.loads(wire.dumps(built))["verdicts"][0]["id"] == ids[0]
+
+
+def test_mismatch_summary_reads_as_english():
+    """Issue 26: "ranks 0, 1 were not (phase backward)" and "1 elements"."""
+    from rankwatch.collector.analyses import collective_mismatch
+
+    run = RunState(run_id="r", world_size=3)
+    for r in range(3):  # rank 2 died inside an extra 1-element all_reduce its peers never issued
+        state = run.rank(r)
+        state.step, state.phase = 5, "backward"
+        state.exit_code, state.exited_at = (-6 if r == 2 else -15), T + 1
+        progress = {"step": 5, "phase": "backward"}
+        if r == 2:
+            progress["collective"] = {"op": "all_reduce", "callsite": "train.py:40 in main", "numel": 1}
+        state.evidence["crash-1"] = RankEvidence(rank=r, reason="crash", created_at=T + 1, source="supervisor",
+                                                 progress=progress)
+    [found] = collective_mismatch.detect(run, T + 5, True)
+    assert "called all_reduce of 1 element at train.py:40" in found.summary
+    assert "ranks 0, 1 were in no collective (phase backward)" in found.summary
