@@ -70,16 +70,90 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def make_run_id(args: argparse.Namespace) -> str:
+    """The run's id: the one place it is derived (contract, 2026-11-25: a
+    rerun or requeue under the same rendezvous id is a new run, never one
+    that inherits an earlier run's verdicts).
+
+    - ``RANKWATCH_RUN_ID``: the deployment chose it (Kubernetes adds the
+      job's UID, which is new per job);
+    - a rendezvous id: ``<rdzv-id>-<launch nonce>``, the nonce agreed by every
+      node of this launch through torch's rendezvous store (launch_nonce);
+    - one node without one: a fresh id per launch.
+
+    Elastic restarts within a launch keep the id (the launcher and its store
+    live on); they are attempts (TORCHELASTIC_RESTART_COUNT in each rank's
+    identity). A scheduler-derived id (a Slurm job and step) goes here too."""
     env_id = os.environ.get("RANKWATCH_RUN_ID")
     if env_id:
         return _safe(env_id)  # the collector accepts run ids of the wire pattern only (SECURITY.md)
+    multi_node = not args.standalone and str(args.nnodes) not in ("1", "1:1")
     if args.rdzv_id and args.rdzv_id != "none":
-        return _safe(args.rdzv_id)
-    if not args.standalone and str(args.nnodes) not in ("1", "1:1"):
+        return _safe(f"{args.rdzv_id[:100]}-{launch_nonce(args)}")
+    if multi_node:
         # Every node of a multi-node job must agree on the id: derive it from the rendezvous.
         endpoint = args.rdzv_endpoint or f"{args.master_addr}:{args.master_port}"
-        return "job-" + hashlib.sha1(endpoint.encode()).hexdigest()[:12]
+        return "job-" + hashlib.sha1(endpoint.encode()).hexdigest()[:12] + "-" + launch_nonce(args)
     return time.strftime("run-%Y%m%d-%H%M%S-") + secrets.token_hex(3)
+
+
+NONCE_KEY = "rankwatch.launch_nonce"
+# The launcher's handle on the rendezvous store: kept for the whole launch so
+# that torch's own rendezvous shares the same store server (multi_tenant) and a
+# node joining late (elastic scale-up) still reads this launch's nonce.
+_launch_stores: list[Any] = []
+
+
+def launch_nonce(args: argparse.Namespace) -> str:
+    """A nonce every node of this launch agrees on, and a later launch does
+    not see: the first node to ask sets it in the rendezvous's TCP store
+    (c10d backend: hosted by the launcher on the endpoint's machine, for as
+    long as that launch lives). Other backends (static, etcd) have no such
+    store here: each launch of a single node draws its own; a multi-node
+    launch of those keeps the rendezvous-derived id without a nonce ("-0"),
+    as before (see ARCHITECTURE.md, "Run identity")."""
+    single_node = args.standalone or str(args.nnodes) in ("1", "1:1")
+    if args.rdzv_backend != "c10d" or not args.rdzv_endpoint:
+        return secrets.token_hex(4) if single_node else "0"
+    candidate = secrets.token_hex(4)
+    try:
+        store = _rendezvous_store(args)
+        key = f"{NONCE_KEY}.{args.rdzv_id}"
+        agreed = store.compare_set(key, "", candidate)
+        _launch_stores.append(store)
+        return bytes(agreed).decode("ascii", "replace")[:16] or candidate
+    except Exception as exc:
+        _say(f"the launch nonce could not be agreed through the rendezvous store at {args.rdzv_endpoint} "
+             f"({type(exc).__name__}: {str(exc)[:200]}); this node uses its own run id")
+        return candidate
+
+
+def _rendezvous_store(args: argparse.Namespace) -> Any:
+    """The c10d rendezvous's TCP store, opened exactly as torch's c10d
+    backend opens it (torch.distributed.elastic.rendezvous.
+    c10d_rendezvous_backend._create_tcp_store): hosted here when the
+    endpoint names this machine, multi_tenant so that torch's rendezvous
+    later in this process shares it."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname, parse_rendezvous_endpoint
+
+    host, port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)
+    configs = dict(item.split("=", 1) for item in (args.rdzv_conf or "").split(",") if "=" in item)
+    is_host_conf = configs.get("is_host")
+    is_host = (is_host_conf.strip().lower() in ("1", "true", "yes", "y") if is_host_conf is not None
+               else _matches_machine_hostname(host))
+    # A node that is not the host waits for it as long as torch's rendezvous would (join_timeout).
+    wait_s = float(configs.get("join_timeout", 600))
+    for as_server in ([True, False] if is_host else [False]):
+        try:
+            return TCPStore(host, port, is_master=as_server, multi_tenant=True,
+                            timeout=timedelta(seconds=wait_s if not as_server else 60))
+        except (ValueError, RuntimeError, TimeoutError):
+            # Like torch: another process on this machine may host it (two launchers on one host).
+            if not as_server or is_host_conf is not None:
+                raise
+    raise RuntimeError("unreachable")
 
 
 def _safe(text: str) -> str:
@@ -306,6 +380,10 @@ def run(argv: list[str]) -> int:
         exit_code = 1
         for rank, failure in exc.failures.items():
             exits[int(rank)] = (int(failure.exitcode), float(failure.timestamp))
+        if supervisor.aborted:
+            # torchrun has just logged "failed (exitcode: -15)" and its error summary: say whose doing it was.
+            _say(f"the failures above (exitcode -15: SIGTERM, -9: SIGKILL) are rankwatch ending the job: "
+                 f"{supervisor.abort_reason or 'a verdict whose action is abort'}; the verdict is below")
     except SignalException as exc:
         interrupted = True
         exit_code = 128 + int(exc.sigval)
