@@ -12,6 +12,7 @@ from __future__ import annotations
 from html.parser import HTMLParser
 import json
 import logging
+import os
 import re
 import sys
 import time
@@ -586,5 +587,38 @@ def test_the_printed_link_opens_the_runs_page_before_any_worker_has_started(tmp_
         assert status == 200
         assert 'id="rw-live"' in page and "job-1" in page
     finally:
+        server.stop()
+        embedded.stop()
+
+
+def test_the_login_link_is_printed_once_and_on_demand(tmp_path, capsys):
+    """Issue 26: a fresh one-time link was printed at start and again with
+    every verdict, flooding job logs. It is printed once; SIGUSR1 to the
+    launcher prints a fresh one."""
+    import signal
+
+    from rankwatch.collector.embedded import InProcessClient, start_embedded
+    from rankwatch.config import Config
+    from rankwatch.node import launcher
+
+    config = Config()
+    config.token = "t" * 32
+    embedded, server = start_embedded(config, tmp_path)
+    previous = signal.getsignal(signal.SIGUSR1)
+    try:
+        remote = InProcessClient(server.routes, server.url)
+        launcher._announce_page("job-1", server.url, embedded, server, remote)
+        first = capsys.readouterr().err
+        assert first.count("/login/") == 1 and f"kill -USR1 {os.getpid()}" in first
+        verdict = wire.Verdict(kind="nonfinite", ranks=[1], step=3, first_seen_at="2026-11-25T00:00:00Z",
+                               detected_at="2026-11-25T00:00:01Z", summary="NaN")
+        for callback in embedded.on_verdict:  # what the collector calls with each new verdict
+            callback("job-1", verdict)
+        assert "/login/" not in capsys.readouterr().err
+        os.kill(os.getpid(), signal.SIGUSR1)  # the handler runs in this (main) thread before the next line
+        fresh = re.findall(r"page: http://\S+/login/(\S+)", capsys.readouterr().err)
+        assert len(fresh) == 1 and fresh[0] not in first
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
         server.stop()
         embedded.stop()

@@ -652,7 +652,7 @@ def _node_state(run_id: str, run_dir: Path) -> Any:
 def _announce_page(run_id: str, collector_url: str, embedded: Any, server: Any, remote: Any,
                    make_known: Optional[Callable[[], None]] = None) -> None:
     """Print a one-time link to the run's live page (the token never goes in
-    a URL); the embedded collector prints a fresh one with each verdict.
+    a URL), once; a fresh one on demand (SIGUSR1, see _link_on_demand).
 
     A link is a credential for its 10 minutes: it is printed where only this
     machine can use it (a collector on loopback) or to a person (a terminal),
@@ -679,9 +679,10 @@ def _announce_page(run_id: str, collector_url: str, embedded: Any, server: Any, 
                 code, ttl = sessions.mint(f"/runs/{run_id}")
                 return f"{collector_url}/login/{code} (one-time link, valid {int(ttl // 60)} min)"
 
-            _say(f"page: {link()}")
-            if embedded is not None:
-                embedded.on_verdict.append(lambda rid, verdict: rid == run_id and _say(f"page: {link()}"))
+            # Once: a link in every verdict flooded job logs. A fresh one on demand (a link
+            # opens once and lasts 10 min) with SIGUSR1, which torchrun leaves alone.
+            on_demand = _link_on_demand(lambda: _say(f"page: {link()}"))
+            _say(f"page: {link()}" + (f" (a fresh link: kill -USR1 {os.getpid()})" if on_demand else ""))
             return
         answer = remote.post("/v1/login-links", json.dumps({"run_id": run_id}).encode(), "application/json",
                              timeout=5)
@@ -692,6 +693,28 @@ def _announce_page(run_id: str, collector_url: str, embedded: Any, server: Any, 
             _say(f"page: {collector_url.rstrip('/')}{answer['path']} (one-time link, valid {minutes} min)")
     except Exception:
         pass  # an older collector without pages: the run goes on, report.html is written at the end
+
+
+def _link_on_demand(say_link: Callable[[], None]) -> bool:
+    """SIGUSR1 to this launcher prints a fresh one-time link. Only from the
+    main thread (Python's rule for signal handlers); False when not set."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGUSR1"):
+        return False
+    try:
+        current = signal.getsignal(signal.SIGUSR1)
+        if current not in (signal.SIG_DFL, None) and not getattr(current, "rankwatch_link", False):
+            return False  # the user's own handler stays
+
+        def handler(signum, frame) -> None:
+            say_link()
+
+        handler.rankwatch_link = True  # type: ignore[attr-defined]  # ours: replaced by a later launch in-process
+        signal.signal(signal.SIGUSR1, handler)
+    except (ValueError, OSError):
+        return False
+    return True
 
 
 def _upload_spool(run_dir: Path, remote: Any) -> None:
