@@ -93,6 +93,7 @@ class BatchFingerprints:
         self.models = models
         self.loaders = loaders
         self._index: dict[tuple, torch.Tensor] = {}
+        self._columns_on: dict[torch.device, torch.Tensor] = {}
         # A slot per sampled micro-batch: [digest or None, device values to read or None, header].
         self._pending: list[list[Any]] = []  # this micro-batch's samples, before its backward
         self._step: list[list[Any]] = []  # committed by a backward this step
@@ -106,6 +107,12 @@ class BatchFingerprints:
 
     # -- sampling -----------------------------------------------------------------------------
     def _positions(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Flat positions of the sampled elements: ROWS rows spread over the
+        first dimension, and in each the columns 0, POSITIONS below the
+        width, and the last. Built on the tensor's device from `arange` and
+        one per-device constant, so a new input shape (dynamic padding: most
+        steps of an NLP job) costs a few small kernels, not a blocking
+        host-to-device copy (issue 25, finding 2)."""
         shape = tuple(tensor.shape)
         key = (shape, tensor.device)
         index = self._index.get(key)
@@ -113,18 +120,31 @@ class BatchFingerprints:
             return index
         numel = tensor.numel()
         if tensor.dim() <= 1:
-            rows, width = [0], numel
+            rows_n, width = 1, numel
         else:
             rows_n, width = shape[0], numel // shape[0]
-            count = min(ROWS, rows_n)
-            rows = sorted({(i * (rows_n - 1)) // max(1, count - 1) for i in range(count)})
-        cols = sorted({p for p in (0, *POSITIONS) if p < width} | {width - 1})
-        flat = [r * width + c for r in rows for c in cols]
-        index = torch.tensor(flat, dtype=torch.int64, device=tensor.device)
+        count = min(ROWS, rows_n)
+        # strictly increasing (rows_n - 1 >= count - 1): no duplicates to remove
+        rows = torch.arange(count, dtype=torch.int64, device=tensor.device) * (rows_n - 1) // max(1, count - 1)
+        base = self._columns(tensor.device)
+        below = 1 + sum(1 for p in POSITIONS if p < width)  # column 0 and the POSITIONS inside the row
+        cols = base[:below]
+        if width - 1 not in (0, *POSITIONS[:below - 1]):
+            cols = torch.cat([cols, torch.full((1,), width - 1, dtype=torch.int64, device=tensor.device)])
+        index = (rows[:, None] * width + cols[None, :]).reshape(-1)
         if len(self._index) >= 16:
             self._index.clear()
         self._index[key] = index
         return index
+
+    def _columns(self, device: torch.device) -> torch.Tensor:
+        """(0, *POSITIONS) on ``device``, made once per device by fills (a
+        fill takes its value as a kernel argument: no copy from the host)."""
+        columns = self._columns_on.get(device)
+        if columns is None:
+            columns = torch.cat([torch.full((1,), p, dtype=torch.int64, device=device) for p in (0, *POSITIONS)])
+            self._columns_on[device] = columns
+        return columns
 
     @guarded("batch_fingerprints.forward")
     def _on_forward(self, forward: Forward) -> None:

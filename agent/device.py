@@ -16,10 +16,11 @@ Three implementations:
 - `HostDevice` (CPU tensors): work is synchronous, so events complete when
   recorded and time between them is host time.
 - `AcceleratorDevice` (CUDA/ROCm, XPU, and any device torch exposes through
-  its device-generic APIs): prefers `torch.accelerator.current_stream` and
-  `torch.Event` (torch >= 2.6) and falls back to the device module
-  (`torch.get_device_module(type)`, torch >= 2.3; `torch.cuda`) on older
-  releases. Every call names the device of the tensors actually used (a
+  its device-generic APIs): the device module's streams and events
+  (`torch.get_device_module(type)`, torch >= 2.3; `torch.cuda`), with
+  `torch.accelerator.current_stream` / `torch.Event` (torch >= 2.6) only for
+  a module that lacks them: `torch.Event`'s CUDA implementation creates a
+  context on the current device (issue 25, finding 4; see `event`). Every call names the device of the tensors actually used (a
   script that never calls `torch.cuda.set_device` has GPU 0 as its current
   device while its tensors live on GPU k: an event recorded on GPU 0's
   stream would not order a copy made on GPU k, and would create a context on
@@ -34,7 +35,10 @@ Three implementations:
   capture (during which any event, query or pinned copy is a violation, as
   it would invalidate a CUDA graph), and an OOM it can raise through the
   observer. Tests install it (`install(GpuLikeDouble(...))`) so CPU tests run
-  the logic that CUDA runs.
+  the logic that CUDA runs. Its tensors are CPU tensors to the dispatcher:
+  a host-to-device copy (`torch.tensor(..., device=d)`, `.to(d)`) dispatches
+  nothing, so syncs are looked for on `dispatch_double.DispatchDouble`, a
+  device the dispatcher sees (single process: gloo/DDP cannot carry it).
 """
 
 from __future__ import annotations
@@ -89,6 +93,9 @@ class HostDevice:
     def memory_snapshot(self) -> Optional[dict[str, Any]]:
         return None
 
+    def memory_summary(self, device: torch.device) -> Optional[str]:
+        return None
+
 
 class AcceleratorDevice:
     """CUDA/ROCm, XPU...: torch's device-generic calls where the installed
@@ -110,16 +117,25 @@ class AcceleratorDevice:
 
     def _stream(self, device: torch.device):
         # The current stream *of that device* (not of the current device).
-        if self._generic:
+        if getattr(self.module, "current_stream", None) is None and self._generic:
             return torch.accelerator.current_stream(device)
         return self.module.current_stream(device)
 
     def event(self, device: torch.device, timing: bool = False) -> Any:
+        # The device module's own event (torch.cuda.Event) when there is one:
+        # its record, elapsed_time and destructor switch devices with a RAII
+        # guard that creates no context. torch.Event goes through InlineEvent
+        # -> CUDAGuardImpl, whose record/elapsedTime/destroy end with
+        # setDevice(orig): on a rank whose current device is GPU 0 while its
+        # tensors live on GPU k, cudaSetDevice(0) creates a primary context on
+        # GPU 0 (~0.5 GiB per rank; issue 25, finding 4). torch.Event only
+        # for a device module without an Event.
         stream = self._stream(device)
-        if self._generic:
-            ev = torch.Event(device, enable_timing=timing)
+        make = getattr(self.module, "Event", None)
+        if make is not None:
+            ev = make(enable_timing=timing)
         else:
-            ev = self.module.Event(enable_timing=timing)
+            ev = torch.Event(device, enable_timing=timing)
         ev.record(stream)
         return ev
 
@@ -182,6 +198,13 @@ class AcceleratorDevice:
         snapshot = getattr(memory, "_snapshot", None)
         return snapshot() if snapshot is not None else None
 
+    def memory_summary(self, device: torch.device) -> Optional[str]:
+        """The allocator's text summary *of the rank's device* (without a
+        device it describes the current one: GPU 0 on a rank that never
+        called set_device; issue 25, finding 8)."""
+        summary = getattr(self.module, "memory_summary", None)
+        return summary(device) if summary is not None else None
+
 
 def _accelerator_type() -> Optional[str]:
     try:
@@ -222,6 +245,7 @@ class GpuLikeDouble:
         self.allocated: dict[int, int] = collections.defaultdict(int)
         self.reserved: dict[int, int] = collections.defaultdict(int)
         self.peak: dict[int, int] = collections.defaultdict(int)
+        self.total: dict[int, int] = collections.defaultdict(lambda: 80 << 30)  # the device's memory
         self.stats_reads = 0
         self.snapshot: Optional[dict[str, Any]] = None
         self._observers: list[Callable[..., None]] = []
@@ -294,6 +318,11 @@ class GpuLikeDouble:
     def memory_snapshot(self) -> Optional[dict[str, Any]]:
         return self.snapshot
 
+    def memory_summary(self, device: torch.device) -> Optional[str]:
+        index = self._index(device)
+        return (f"memory summary of device {index} (test double): allocated {self.allocated[index]} bytes, "
+                f"reserved {self.reserved[index]} bytes, peak {self.peak[index]} bytes\n")
+
     # what a test does with it
     @contextlib.contextmanager
     def capture(self):
@@ -311,11 +340,14 @@ class GpuLikeDouble:
 
     def raise_oom(self, requested: int) -> None:
         """What the caching allocator does when an allocation fails: the
-        observers run on the allocating thread, then OutOfMemoryError."""
+        observers run on the allocating thread with (device, requested
+        bytes, the device's total memory, its free memory), as
+        c10/cuda/CUDACachingAllocator.h (2.13) calls them; then
+        OutOfMemoryError."""
         index = self.device
-        free = max(0, self.reserved[index] - self.allocated[index])
+        free = max(0, self.total[index] - self.reserved[index])
         for observer in list(self._observers):
-            observer(index, requested, self.allocated[index], free)
+            observer(index, requested, self.total[index], free)
         raise torch.cuda.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {requested} bytes (test double)")
 
 

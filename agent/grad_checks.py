@@ -86,11 +86,33 @@ def fp32_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         return [torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]
 
 
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def _norm32(grad: torch.Tensor) -> torch.Tensor:
+    """The gradient's L2 norm as a float32 0-d tensor. `vector_norm(dtype=
+    float32)` refuses float64 input (a narrowing); a float64 norm is taken
+    in float64 and a finite one beyond float32's range is clamped to its
+    maximum, so only a non-finite gradient reads as non-finite."""
+    if grad.dtype != torch.float64:
+        return torch.linalg.vector_norm(grad, dtype=torch.float32)
+    norm = torch.linalg.vector_norm(grad)
+    return torch.where(torch.isfinite(norm), norm.clamp(max=_FLOAT32_MAX), norm).float()
+
+
 def unpatch() -> None:
     _PATCHES.undo()
     for checker in _CHECKERS:
         checker.remove()
     _CHECKERS.clear()
+
+
+def _engine_running() -> bool:
+    current = getattr(torch._C, "_current_graph_task_id", None)  # -1 outside a backward
+    try:
+        return current is not None and current() != -1
+    except Exception:
+        return False
 
 
 def _compiling() -> bool:
@@ -189,6 +211,7 @@ class GradChecker:
             ddp._rankwatch_grad_checker = self
             _patch_register_comm_hook()
         agent.progress.step_extras.append(self._on_step_end)
+        agent.progress.backward_extras.append(self._on_backward_call)
         agent.progress.record_complete.append(guarded("grad_checks.step")(self._on_record_complete))
 
     def remove(self) -> None:
@@ -213,6 +236,21 @@ class GradChecker:
 
         return original_register(self.ddp, state, reducing_hook)
 
+    # -- a backward that raised (issue 25, finding 7) -------------------------------
+    @guarded("grad_checks.step")
+    def _on_backward_call(self, loss) -> None:
+        """``Tensor.backward`` was called outside any running backward: a
+        backward still marked as running raised (an OOM a batch-size finder
+        caught) and autograd never ran its end callback. Without this reset
+        the next backwards would never start (one 0-d tensor per parameter
+        accumulating for ever, the checks silently off)."""
+        if self._in_backward and not _engine_running():
+            self._abandon_backward()
+
+    def _abandon_backward(self) -> None:
+        self._in_backward = False
+        self._names, self._values, self._last_grad = [], [], None
+
     # -- inside the backward (autograd thread) -----------------------------------
     def _on_grad(self, param) -> None:
         if _compiling():  # compiled autograd traces hooks: nothing of ours in the graph
@@ -231,7 +269,7 @@ class GradChecker:
         self._last_grad = grad
         started = time.perf_counter()
         if self._sampled:
-            self._values.append(torch.linalg.vector_norm(grad.detach(), dtype=torch.float32))
+            self._values.append(_norm32(grad.detach()))
             self._names.append(self.names.get(id(param), "?"))
             self._spent += time.perf_counter() - started
             return
@@ -269,11 +307,7 @@ class GradChecker:
         which waits for the allreduce): the local backward is done."""
         self._in_backward = False
         try:
-            grad = self._last_grad
-            if grad is not None and not self._skip_backward:
-                self.agent.progress.on_backward_done(time.time(), grad)
-            else:
-                self.agent.progress.on_backward_done(time.time())
+            # (The step's timing is marked by progress itself: issue 25, finding 6.)
             if self._values and not self._skip_backward:
                 # One vector per backward; a later backward of the same step
                 # (accumulation, a step GradScaler skipped) supersedes it.
@@ -298,10 +332,15 @@ class GradChecker:
         cached = self._probe_layout.get(id(param))
         if cached is None or cached[0] != key:
             k = max(1, min(m, round(self.probe_elements * m / self._total_elements)))
-            starts = torch.tensor([(j * m) // k for j in range(k)], dtype=torch.int64)
-            spans = torch.tensor([max(1, ((j + 1) * m) // k - (j * m) // k) for j in range(k)], dtype=torch.int64)
-            rotations = [(starts + torch.remainder(torch.full_like(spans, r * 7919 + len(self._probe_layout)),
-                                                   spans)).to(grad.device) for r in range(PROBE_ROTATIONS)]
+            # Built on the gradient's device: a host-built layout copied with
+            # .to(device) was a blocking copy per rotation per parameter, in
+            # the middle of the backward, whenever probe_elements changed
+            # (issue 25, finding 3).
+            j = torch.arange(k, dtype=torch.int64, device=grad.device)
+            starts = (j * m) // k
+            spans = torch.clamp_min(((j + 1) * m) // k - starts, 1)
+            rotations = [starts + torch.remainder(torch.full_like(spans, r * 7919 + len(self._probe_layout)), spans)
+                         for r in range(PROBE_ROTATIONS)]
             cached = (key, rotations)
             if len(self._probe_layout) < MAX_PARAMETERS:
                 self._probe_layout[id(param)] = cached
@@ -368,6 +407,8 @@ class GradChecker:
 
     @guarded("grad_checks.step")
     def _on_step_end(self, record: StepRecord) -> None:
+        if self._in_backward and not _engine_running():
+            self._abandon_backward()  # a backward that raised, then a step without another backward
         sampled = self._sampled
         if sampled:
             self._adapt(record)

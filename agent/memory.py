@@ -75,6 +75,7 @@ class MemoryTracker:
         self.adapter = None
         self.observer_attached = False
         self.pending_oom: Optional[dict[str, Any]] = None  # noted by the observer, judged later
+        self.last_allocated: Optional[int] = None  # device bytes allocated at the last step's end
         agent.progress.step_extras.append(self._on_step_end)
 
     @property
@@ -88,6 +89,7 @@ class MemoryTracker:
             stats = self.adapter.memory_stats(self.device)  # one read of the allocator's counters
             if stats is not None:
                 record.device_allocated_bytes, record.device_reserved_bytes, record.device_peak_bytes = stats
+                self.last_allocated = stats[0]
         pending, self.pending_oom = self.pending_oom, None
         if pending is not None:
             # The script caught it and went on to finish a step: not a failure of the rank.
@@ -114,13 +116,18 @@ class MemoryTracker:
         if not self.observer_attached:
             self.observer_attached = adapter.attach_oom_observer(self._on_device_oom)
 
-    def _on_device_oom(self, device: int, alloc: int, device_alloc: int, device_free: int) -> None:
+    def _on_device_oom(self, device: int, requested: int, device_total: int, device_free: int) -> None:
         """Runs inside the allocator, on the allocating thread, before
-        OutOfMemoryError is raised: note it, nothing more."""
+        OutOfMemoryError is raised: note it, nothing more. The allocator
+        passes (device, requested bytes, the device's *total* memory, its
+        free memory) (c10/cuda/CUDACachingAllocator.h, torch 2.13); the
+        bytes allocated are the last step's counters, not read here."""
         try:
-            self.pending_oom = {"device": int(device), "requested_bytes": int(alloc),
-                                "device_allocated_bytes": int(device_alloc), "device_free_bytes": int(device_free),
+            self.pending_oom = {"device": int(device), "requested_bytes": int(requested),
+                                "device_total_bytes": int(device_total), "device_free_bytes": int(device_free),
                                 "memory": "device", "at": time.time(), "step": self.agent.progress.step}
+            if self.last_allocated is not None:
+                self.pending_oom["allocated_bytes_at_last_step"] = self.last_allocated
         except Exception:
             pass
 
@@ -137,7 +144,8 @@ class MemoryTracker:
         details = {k: v for k, v in (pending or {"memory": "device"}).items() if k not in ("at", "step")}
         members: dict[str, Any] = {"oom.json": details}
         try:
-            members.update(snapshot_members(self.agent.run_dir, self.agent.identity.rank, self.adapter))
+            members.update(snapshot_members(self.agent.run_dir, self.agent.identity.rank, self.adapter,
+                                            self.device))
         except Exception as exc2:
             log(f"OOM snapshot failed: {type(exc2).__name__}: {exc2}")
         return details, members
@@ -151,9 +159,12 @@ def _is_device_oom(exc: BaseException) -> bool:
     return bool(kinds) and isinstance(exc, kinds)
 
 
-def snapshot_members(run_dir: Optional[str], rank: int, adapter: Any = None) -> dict[str, Any]:
+def snapshot_members(run_dir: Optional[str], rank: int, adapter: Any = None,
+                     device: Any = None) -> dict[str, Any]:
     """A device memory snapshot as bundle members (JSON summary + opaque
-    pickle, the pickle on CUDA only)."""
+    pickle, the pickle on CUDA only); the allocator's text summary is of
+    ``device``, the rank's own (none without it: the current device may
+    be another GPU)."""
     import torch
 
     from rankwatch.memory_snapshot import summarize, to_jsonable
@@ -167,9 +178,12 @@ def snapshot_members(run_dir: Optional[str], rank: int, adapter: Any = None) -> 
     if snapshot is None:
         return members
     members["memory_snapshot.json"] = {"summary": summarize(snapshot), "snapshot": to_jsonable(snapshot)}
+    if device is not None:
+        text = adapter.memory_summary(device)
+        if text:
+            members["memory_summary.txt"] = text
     if adapter.name != "cuda":
         return members
-    members["memory_summary.txt"] = torch.cuda.memory_summary()
     if run_dir:
         path = Path(run_dir) / "memory" / f"rank-{rank:05d}-{int(time.time())}.pickle"
         try:

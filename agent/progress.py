@@ -31,6 +31,8 @@ import time
 import weakref
 from typing import Any, Callable, Optional
 
+import torch
+
 from rankwatch.wire import CollectiveMark, StepRecord
 
 from . import device as device_mod
@@ -72,6 +74,26 @@ def _weak(obj: Any) -> Callable[[], Any]:
         return weakref.ref(obj)
     except TypeError:  # an optimizer-like object without weak references: keep it
         return lambda: obj
+
+
+def _engine_running() -> bool:
+    """This thread is inside an autograd backward (a hook, a reentrant backward)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    try:
+        return current is not None and current() != -1
+    except Exception:
+        return False
+
+
+def _compiling() -> bool:
+    try:
+        return bool(torch.compiler.is_compiling())
+    except Exception:
+        return False
+
+
+def _queue_callback(callback: Callable[[], None]) -> None:
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 class Progress:
@@ -222,6 +244,7 @@ class Progress:
         self.phase_since = now
         self.last_progress_at = now
         self._record()
+        self._watch_backward_end(loss)
         for extra in self.backward_extras:
             extra(loss)  # each guarded on its own
 
@@ -231,6 +254,41 @@ class Progress:
             self._scaled = (weakref.ref(scaled), unscaled)
         except TypeError:
             self._scaled = None
+
+    # -- the end of the local backward, on its own (issue 25, finding 6) -----------------
+    def _watch_backward_end(self, loss: Any) -> None:
+        """Mark the end of this backward's local work without depending on
+        any checker (with grad_checks off, FSDP1, DeepSpeed, the Python
+        reducer, or a gradient hook that failed, `compute_s` used to be
+        missing and the straggler check blind). A one-shot pre-hook on the
+        loss's grad_fn (the first node the engine runs) queues an autograd
+        callback: callbacks run in the order queued, so it runs before
+        DDP's finalize (queued at the last bucket, which waits for the
+        allreduce) and FSDP2's root callback (queued in its pre-backward,
+        later than this hook). A backward inside a backward (reentrant) is
+        left to the outer one; a backward that raises never runs it (no
+        compute_s for that step, never a wrong one)."""
+        if _engine_running():
+            return
+        grad_fn = getattr(loss, "grad_fn", None)
+        if grad_fn is None:
+            return
+        handles: list[Any] = []
+
+        def started(grad_outputs: Any) -> None:
+            for handle in handles:
+                handle.remove()
+            if not _compiling():
+                _queue_callback(self._backward_ended)
+            return None
+
+        handles.append(grad_fn.register_prehook(started))
+
+    @guarded("progress.backward")
+    def _backward_ended(self) -> None:
+        self._backward_done_at = time.time()
+        if self._start_event is not None and self.device is not None:
+            self._end_event = self._event_on(self.device)
 
     def on_backward_done(self, at: float, tensor: Any = None) -> None:
         """Called when this rank's local backward reached the last gradient

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import random
 import threading
 import time
 import urllib.parse
@@ -24,8 +25,33 @@ MAX_REPLY_BYTES = 4 * 1024 * 1024
 _IDLE_KEPT = 2  # connections kept open between requests (heartbeat + one upload)
 
 
+MAX_BACKOFF_S = 10.0  # an agent's longest pause after failures (its own beats; a relay has its own)
+
+
 class CollectorUnreachable(Exception):
-    pass
+    """No usable answer. ``status`` is the HTTP status when there was one;
+    ``retry_after`` the seconds a busy collector asked for (429/503)."""
+
+    def __init__(self, message: str, status: Optional[int] = None, retry_after: Optional[float] = None):
+        super().__init__(message)
+        self.status = status
+        self.retry_after = retry_after
+
+
+def retry_after_seconds(value: Optional[str]) -> Optional[float]:
+    """`Retry-After` as delta-seconds (what the collector sends); a date or
+    anything else is ignored. Bounded: a hostile answer cannot park a sender."""
+    if not value or not value.strip().isdigit():
+        return None
+    return min(float(value.strip()), 300.0)
+
+
+def backoff_delay(failures: int, base: float, cap: float, rng: Optional[random.Random] = None) -> float:
+    """Exponential backoff with jitter: base * 2^(failures-1), capped, then a
+    uniform draw in its upper half. Senders that failed together (a
+    collector restart) come back spread over the window, not at one instant."""
+    ceiling = min(cap, base * 2 ** max(0, failures - 1))
+    return ceiling * (0.5 + 0.5 * (rng or random).random())
 
 
 class Transport:
@@ -104,6 +130,7 @@ class Transport:
                 conn.request("POST", self._prefix + path, body=body, headers=all_headers)
                 response = conn.getresponse()
                 status = response.status
+                retry_after = retry_after_seconds(response.getheader("Retry-After"))
                 length = response.getheader("Content-Length")
                 if length is not None and length.isdigit() and int(length) > MAX_REPLY_BYTES:
                     conn.close()
@@ -127,8 +154,8 @@ class Transport:
         if not 200 <= status < 300:
             # 3xx included: never follow a redirect with the bearer token.
             detail = payload[:2000].decode(errors="replace")
-            self._failed(f"HTTP {status} from {path}: {detail}")
-            raise CollectorUnreachable(f"HTTP {status}: {detail}")
+            self._failed(f"HTTP {status} from {path}: {detail}", retry_after)
+            raise CollectorUnreachable(f"HTTP {status}: {detail}", status=status, retry_after=retry_after)
         if self._failures:
             if self._warned:
                 log(f"collector at {self.url} reachable again")
@@ -140,10 +167,15 @@ class Transport:
         except ValueError:
             return {}
 
-    def _failed(self, why: str) -> None:
+    def _failed(self, why: str, retry_after: Optional[float] = None) -> None:
         self._failures += 1
-        # Back off (1, 2, 4 ... 10 s) so a dead collector costs nothing.
-        self._next_try = time.monotonic() + min(10.0, 2 ** (self._failures - 1))
+        # Back off (1, 2, 4 ... 10 s, jittered) so a dead collector costs nothing and
+        # the ranks of a job do not come back in one burst; a busy collector's
+        # Retry-After is a floor.
+        delay = backoff_delay(self._failures, 1.0, MAX_BACKOFF_S)
+        if retry_after is not None:
+            delay = max(delay, retry_after * (1.0 + 0.5 * random.random()))
+        self._next_try = time.monotonic() + delay
         if not self._warned:
             self._warned = True
             log(f"collector at {self.url} unreachable ({why}); training continues, evidence is kept locally")

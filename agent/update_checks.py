@@ -359,10 +359,13 @@ class UpdateChecks:
 
 
 def _sample_index(grad: torch.Tensor) -> torch.Tensor:
+    """``count`` positions spread over the gradient, strictly increasing
+    (n - 1 >= count - 1). Built on the gradient's device: `torch.tensor(list,
+    device=cuda)` is a blocking host-to-device copy (a stream sync, twice a
+    step here; issue 25, finding 1)."""
     n = grad.numel()
     count = min(SAMPLE_ELEMENTS, n)
-    positions = sorted({(i * (n - 1)) // max(1, count - 1) for i in range(count)})
-    return torch.tensor(positions, dtype=torch.int64, device=grad.device)
+    return torch.arange(count, dtype=torch.int64, device=grad.device) * (n - 1) // max(1, count - 1)
 
 
 def _norms64(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -29,6 +29,21 @@ p50/p99 request latency seen by the clients, errors, the collector's CPU (from
 the collector's tick time, and the time from the last progress to the hang
 verdict (deadline: hang timeout + 5 s).
 
+Messages (--messages): `recorded` (default) replays the node reports a real
+8-rank job's relay sent (bench/data/node_reports.json.gz, made by
+bench/record_node_reports.py: every check on, GPU-flavour step values through
+the device double), with rank and step rewritten; each node's report merges
+its ranks' recorded beats since its last report and samples them with the
+relay's own code (`merge_beats`, `StepSampler`). `synthetic` is the older
+hand-built message (compact rows, counters, memory only).
+
+Start (--start): `cold` (default) starts every node within one second, each
+at the relay's real initial cadence for the world size and with its first
+report at a random offset within it, backing off as a relay does (jittered,
+Retry-After as a floor) on a failure, a 503 or a 5-s timeout; the time until
+the collector has seen every rank is printed. `spread` is the older warm-up
+(histories at ~1,000 nodes a second, then fixed slots).
+
 The load generator is one asyncio process on kept-alive connections with
 pre-encoded bodies (identities encoded once per rank; the per-tick part once
 per tick, shared by every node, as every rank of a DDP job is at the same
@@ -40,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gzip
 import json
 import os
 import random
@@ -57,6 +73,9 @@ from typing import Any, Optional
 
 from rankwatch import wire
 
+FIXTURE = Path(__file__).resolve().parent / "data" / "node_reports.json.gz"
+RELAY_TIMEOUT = 5.0  # a relay's request timeout (Relay.flush)
+GENERATOR_BOUND_CPU = 0.85  # of the generator's one core: above it, the row measures the generator
 TOKEN = "bench-token"
 RUN_ID = "bench"
 RANKS_PER_NODE = 8
@@ -151,6 +170,10 @@ class Job:
                            "world_size": self.ranks, "node_rank": node, "host": f"node-{node:05d}",
                            "pid": 10_000 + rank % 50_000, "attempt": 0}, separators=(",", ":")).encode()
 
+    def time_of(self, step: int) -> float:
+        """When ``step`` ended (every rank alike)."""
+        return self.started + (step - self.first_step + 1) * self.step_time
+
     def step_at(self, now: float) -> int:
         if self.frozen_step is not None:
             return self.frozen_step
@@ -203,6 +226,126 @@ class Job:
         return cached
 
 
+class Recorded:
+    """The node reports a real job's relay sent (FIXTURE), replayed for any
+    rank and step. Each recorded beat is a rank's state at one step; a node's
+    report for steps (since, step] merges the beats of those steps, shifted
+    (steps, times, sequence numbers) to where the simulated job is, through
+    the relay's own `StepSampler` and `merge_beats`."""
+
+    def __init__(self, path: Path = FIXTURE):
+        with gzip.open(path, "rt") as f:
+            data = json.load(f)
+        reports = [json.loads(r) for r in data["reports"]]
+        full = [r for r in reports if len(r["heartbeats"]) == RANKS_PER_NODE
+                and all(hb.get("step_rows") for hb in r["heartbeats"])
+                and not any(e.get("kind") == "exit" for hb in r["heartbeats"] for e in hb.get("events") or [])]
+        whole = [r for r in reports if len(r["heartbeats"]) == RANKS_PER_NODE
+                 and not any(e.get("kind") == "exit" for hb in r["heartbeats"] for e in hb.get("events") or [])]
+        facts = [r for r in whole if all(hb.get("events") for hb in r["heartbeats"])]
+        # The first steps' beats: the job's facts (train_config events), sent once.
+        self.startup = {hb["identity"]["local_rank"]: hb for hb in (facts or full)[0]["heartbeats"]}
+        startup_step = self.startup[0]["step"]
+        self.steady = [{hb["identity"]["local_rank"]: hb for hb in r["heartbeats"]} for r in full
+                       if r["heartbeats"][0]["step"] > startup_step]
+        self.steps = [beats[0]["step"] for beats in self.steady]
+        enq = [int(beats[0]["collectives_enqueued"]["0"]) for beats in self.steady]
+        self.seq_per_step = max(1, round((enq[-1] - enq[0]) / max(1, self.steps[-1] - self.steps[0])))
+        self.meta = data.get("meta", {})
+        self.sizes = sorted(len(r) for r, ok in zip(data["reports"], reports) if ok in full)
+        from rankwatch.node.relay import StepSampler
+
+        self.samplers = {local: StepSampler() for local in range(RANKS_PER_NODE)}
+        self._cache: dict[tuple, bytes] = {}
+        self._beats: dict[tuple, dict[str, Any]] = {}
+
+    def beat_at(self, local: int, step: int, job: "Job", startup: bool = False) -> dict[str, Any]:
+        """The recorded beat of ``local`` that stands for ``step``, shifted there
+        (shared: never changed by its users; `merge_beats` makes new dicts)."""
+        key = (local, step, startup)
+        beat = self._beats.get(key)
+        if beat is None:
+            if len(self._beats) > 4096:
+                self._beats.clear()
+            beat = self._beats[key] = self._shifted(local, step, job, startup)
+        return beat
+
+    def _shifted(self, local: int, step: int, job: "Job", startup: bool) -> dict[str, Any]:
+        if startup:
+            # A node's first report at a later step: the steady beat of that step
+            # (its sequence numbers follow the job's), plus the start-up facts.
+            # Shifting the start-up beat's own marks would put the init
+            # collectives' numbers at a later step: a mismatch the job never had.
+            beat = self._shifted(local, step, job, False)
+            facts = json.loads(json.dumps(self.startup[local].get("events") or []))
+            dt = job.time_of(step) - self.startup[local]["last_progress_at"]
+            for event in facts:
+                event["step"], event["at"] = step, event["at"] + dt
+            return {**beat, "events": facts + list(beat.get("events") or [])}
+        k = step % len(self.steady)
+        beat = json.loads(json.dumps(self.steady[k][local]))
+        offset = step - beat["step"]
+        dt = job.time_of(step) - beat["last_progress_at"]
+        beat.pop("identity", None)
+        beat.pop("version", None)
+        beat["step"] += offset
+        beat["forwards"] = beat.get("forwards", 0) + offset
+        for key in ("sent_at", "phase_since", "last_progress_at"):
+            if isinstance(beat.get(key), (int, float)):
+                beat[key] += dt
+        for row in beat.get("step_rows") or []:
+            row[0] += offset
+            row[1] += dt
+            row[2] += dt
+        for mark in beat.get("marks") or []:
+            mark["step"] += offset
+            mark["seqs"] = {pg: v + offset * self.seq_per_step for pg, v in mark["seqs"].items()}
+        for fp in beat.get("fingerprints") or []:
+            fp["step"] += offset
+        for event in beat.get("events") or []:
+            event["step"] = event.get("step", 0) + offset if event.get("step") is not None else None
+            event["at"] = event["at"] + dt
+        for key in ("collectives_enqueued", "collectives_completed"):
+            if key in beat:
+                beat[key] = {pg: v + offset * self.seq_per_step for pg, v in beat[key].items()}
+        return beat
+
+    def tail(self, local: int, since: Optional[int], step: int, job: "Job", culprit: bool, stride: int) -> bytes:
+        """A rank's merged beat for steps (since, step], after its identity."""
+        frozen = job.frozen_step is not None
+        key = (local, since, step, culprit and frozen, frozen, stride)
+        cached = self._cache.get(key)
+        if cached is not None:
+            return cached
+        if len(self._cache) > 8192:
+            self._cache.clear()
+        from rankwatch.node.relay import merge_beats
+
+        sampler = self.samplers[local]
+        sampler.stride = stride
+        merged = None
+        first = step if since is None else since + 1
+        for s in range(max(first, step - 63), step + 1):  # at most 64 steps per report (a 64-s cadence)
+            beat = self.beat_at(local, s, job, startup=since is None and s == first)
+            merged = merge_beats(merged, sampler.sample(local, beat))
+        merged = dict(merged if merged is not None else self.beat_at(local, step, job))  # changed below
+        if since is not None and since >= step:  # no new step (frozen): the state alone
+            for key_ in ("step_rows", "marks", "events", "fingerprints"):
+                merged.pop(key_, None)
+        if frozen:
+            # The hang: nobody progresses; every rank but the culprit has
+            # enqueued the next collective and waits in it.
+            merged["last_progress_at"] = merged["phase_since"] = job.frozen_at
+            merged["phase"] = "forward" if culprit else "backward"
+            if not culprit:
+                merged["collectives_enqueued"] = {pg: v + 1 for pg, v in
+                                                  (merged.get("collectives_enqueued") or {"0": 0}).items()}
+        merged["sent_at"] = time.time()
+        text = json.dumps(merged, separators=(",", ":"), allow_nan=False)
+        cached = self._cache[key] = ("," + text[1:]).encode()
+        return cached
+
+
 def node_prefix(job: Job, node: int) -> tuple[bytes, list[int]]:
     ranks = list(range(node * RANKS_PER_NODE, min(job.ranks, (node + 1) * RANKS_PER_NODE)))
     workers = [{"local_rank": r % RANKS_PER_NODE, "rank": r, "pid": 10_000 + r % 50_000} for r in ranks]
@@ -224,10 +367,11 @@ class Stats:
         self.error_samples: list[str] = []
         self.recording = False
 
-    def record(self, latency: float, ok: bool, beats: int, why: str = "") -> None:
+    def record(self, latency: float, ok: bool, beats: int, why: str = "", shed: bool = False) -> None:
         if not self.recording:
             return
         self.sent += 1
+        self.shed = getattr(self, "shed", 0) + (1 if shed else 0)
         if ok:
             self.ok += 1
             self.heartbeats += beats
@@ -238,14 +382,21 @@ class Stats:
                 self.error_samples.append(why)
 
 
-async def _exchange(reader, writer, data: bytes, timeout: float) -> tuple[int, bytes]:
+async def _exchange(reader, writer, data: bytes, timeout: float, heads: Optional[dict] = None) -> tuple[int, bytes]:
+    """One request on a kept-alive connection; ``heads`` gets Retry-After and
+    Connection when given."""
     writer.write(data)
     head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
     status = int(head[9:12])
     length = 0
     for line in head.split(b"\r\n"):
-        if line[:15].lower() == b"content-length:":
+        lower = line.lower()
+        if lower[:15] == b"content-length:":
             length = int(line[15:])
+        elif heads is not None and lower[:12] == b"retry-after:":
+            heads["retry_after"] = line[12:].strip().decode()
+        elif heads is not None and lower[:11] == b"connection:":
+            heads["connection"] = line[11:].strip().decode().lower()
     body = await asyncio.wait_for(reader.readexactly(length), timeout) if length else b""
     return status, body
 
@@ -263,7 +414,83 @@ class Simulator:
         self.nodes = (job.ranks + RANKS_PER_NODE - 1) // RANKS_PER_NODE
         self.epoch = time.time()
         self.stop = False
-        self.warm = 0  # nodes that sent their history
+        self.warm = 0  # nodes that sent their history (cold start: whose first report was taken)
+        self.started_nodes = 0
+        self.bytes_sent = 0
+        self.max_body = 0
+        self.last_ok: dict[int, float] = {}
+        self.hang_timeout = 15.0
+
+    async def relay(self, node: int, recorded: "Recorded", start: float) -> None:
+        """One node's relay from a cold start, as rankwatch/node/relay.py
+        does it: the initial cadence for the world size, the first report at
+        a random offset within it, the collector's cadence once it answers,
+        exponential backoff with jitter on a failure, a 503 or a timeout
+        (Retry-After as a floor), the node's data kept and merged meanwhile."""
+        from rankwatch.agent.transport import backoff_delay
+        from rankwatch.node.relay import MAX_BACKOFF_S, initial_interval
+
+        job = self.job
+        rng = random.Random(node)
+        view, ranks = node_prefix(job, node)
+        interval = initial_interval(1.0, job.ranks, self.hang_timeout)
+        conn = None
+        last_step: Optional[int] = None
+        failures, retry_after = 0, None
+        await asyncio.sleep(start)
+        self.started_nodes += 1
+        wait = interval * rng.random()
+        while not self.stop:
+            await asyncio.sleep(wait)
+            if self.stop:
+                break
+            began = time.time()
+            step = job.step_at(began)
+            beats = b",".join(b'{"version":1,"identity":' + job.identity[r]
+                              + recorded.tail(r % RANKS_PER_NODE, last_step, step, job, r == job.culprit, self.stride)
+                              for r in ranks)
+            body = b'{"version":1,"sent_at":%.3f,"node":' % began + view + b',"heartbeats":[' + beats + b"]}"
+            self.bytes_sent += len(body)
+            heads: dict[str, str] = {}
+            ok = False
+            try:
+                if conn is None:
+                    conn = await asyncio.open_connection(self.host, self.port)
+                status, reply = await _exchange(*conn, request_bytes("/v1/node-report", body), RELAY_TIMEOUT, heads)
+                ok = status == 200
+                if heads.get("connection") == "close":
+                    conn[1].close()
+                    conn = None
+                if ok:
+                    answer = json.loads(reply)
+                    hint, stride = answer.get("interval"), answer.get("step_stride")
+                    if isinstance(hint, (int, float)) and 0.2 <= hint <= 60:
+                        interval = max(1.0, float(hint))
+                    self.stride = stride if isinstance(stride, int) and stride >= 1 else 1
+                self.stats.record(time.time() - began, ok, len(ranks), f"HTTP {status}: {reply[:120]!r}",
+                                  shed=status == 503)
+            except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
+                self.stats.record(time.time() - began, False, 0, f"{type(exc).__name__}: {exc}")
+                if conn is not None:
+                    conn[1].close()
+                conn = None
+            self.max_body = max(self.max_body, len(body))
+            if ok:
+                if last_step is None:
+                    self.warm += 1
+                self.last_ok[node] = time.time()
+                last_step, failures, retry_after = step, 0, None
+                wait = interval
+            else:
+                failures += 1
+                ra = heads.get("retry_after")
+                retry_after = float(ra) if ra and ra.isdigit() else None
+                wait = backoff_delay(failures, interval, max(MAX_BACKOFF_S, interval), rng)
+                if retry_after is not None:
+                    wait = max(wait, retry_after * (1.0 + 0.5 * rng.random()))
+            wait = max(0.0, wait - (time.time() - began))
+        if conn is not None:
+            conn[1].close()
 
     async def node(self, node: int, phase: float) -> None:
         job = self.job
@@ -318,23 +545,61 @@ class Simulator:
             conn[1].close()
 
 
+async def _until_all_seen(collector: CollectorProcess, loop, ranks: int, began: float,
+                          deadline_s: float, tasks: list) -> dict[str, Any]:
+    """Polls the collector until it has seen every rank: the cold start's figure."""
+    seen, out = 0, {"all_seen_s": None}
+    while time.time() - began < deadline_s:
+        broken = [t for t in tasks if t.done() and t.exception() is not None]
+        if broken:
+            raise RuntimeError(f"a simulated relay failed: {broken[0].exception()!r}") from broken[0].exception()
+        await asyncio.sleep(0.5)
+        try:
+            status = await loop.run_in_executor(None, collector.status)
+        except OSError:
+            continue
+        seen = status.get("runs", {}).get(RUN_ID, {}).get("ranks_seen") or 0
+        if seen >= ranks:
+            out["all_seen_s"] = time.time() - began
+            break
+    out["seen_at_deadline"] = seen
+    return out
+
+
 async def run_load(url: str, job: Job, mode: str, history: int, measure: float, hang_timeout: float,
-                   collector: CollectorProcess) -> dict[str, Any]:
+                   collector: CollectorProcess, start: str = "spread",
+                   recorded: Optional["Recorded"] = None, outage: float = 0.0) -> dict[str, Any]:
     sim = Simulator(url, job, mode, history)
     nodes = (job.ranks + RANKS_PER_NODE - 1) // RANKS_PER_NODE
     # The collector's cadence at this size (same rule as the service).
     from rankwatch.collector.service import node_report_interval
 
     sim.interval = (node_report_interval(job.ranks, hang_timeout) or 1.0) if mode == "relay" else 1.0
+    sim.hang_timeout = hang_timeout
     loop = asyncio.get_running_loop()
-    # Start-up spread so the histories arrive at about 1,000 nodes a second.
-    spread = max(sim.interval, nodes / 1000)
-    tasks = [loop.create_task(sim.node(n, spread * n / nodes)) for n in range(nodes)]
-    # Warm up: every node connected and its history sent, and one more interval.
-    deadline = time.time() + 300
-    while sim.warm < nodes and time.time() < deadline:
-        await asyncio.sleep(0.2)
-    await asyncio.sleep(2 * sim.interval)
+    cold = {}
+    if start == "cold" and mode == "relay":
+        # Every relay starts within one second (a job's launchers start together).
+        recorded = recorded or Recorded()
+        import rankwatch.agent.transport  # noqa: F401  (imported before the clock starts: it imports torch)
+        import rankwatch.node.relay  # noqa: F401
+
+        rng = random.Random(job.ranks)
+        began = time.time()
+        tasks = [loop.create_task(sim.relay(n, recorded, rng.random())) for n in range(nodes)]
+        cold = await _until_all_seen(collector, loop, job.ranks, began, deadline_s=max(60.0, 6 * sim.interval),
+                                     tasks=tasks)
+        await asyncio.sleep(2 * sim.interval)
+    else:
+        # Start-up spread so the histories arrive at about 1,000 nodes a second.
+        spread = max(sim.interval, nodes / 1000)
+        tasks = [loop.create_task(sim.node(n, spread * n / nodes)) for n in range(nodes)]
+        # Warm up: every node connected and its history sent, and one more interval.
+        deadline = time.time() + 300
+        while sim.warm < nodes and time.time() < deadline:
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(2 * sim.interval)
+    bytes0 = sim.bytes_sent
     usage0 = resource.getrusage(resource.RUSAGE_SELF)
     cpu0, t0 = collector.cpu_seconds(), time.time()
     sim.stats.recording = True
@@ -351,7 +616,10 @@ async def run_load(url: str, job: Job, mode: str, history: int, measure: float, 
     elapsed = t1 - t0
     lat = sorted(stats.latencies)
     result = {
-        "ranks": job.ranks, "nodes": nodes, "mode": mode, "interval_s": sim.interval,
+        "ranks": job.ranks, "nodes": nodes, "mode": mode, "interval_s": sim.interval, "start": start,
+        "messages": "recorded" if (start == "cold" and mode == "relay") else "synthetic",
+        "all_seen_s": cold.get("all_seen_s"), "seen_at_deadline": cold.get("seen_at_deadline"),
+        "shed": getattr(stats, "shed", 0), "sent_mb_per_s": (sim.bytes_sent - bytes0) / elapsed / 1e6,
         "offered_per_s": (nodes if mode == "relay" else job.ranks) / sim.interval,
         "sent_per_s": stats.sent / elapsed, "accepted_per_s": stats.ok / elapsed,
         "heartbeats_per_s": stats.heartbeats / elapsed, "errors": stats.errors,
@@ -366,6 +634,22 @@ async def run_load(url: str, job: Job, mode: str, history: int, measure: float, 
         "index_degraded": status.get("index_degraded"),
         "status_unavailable": bool(status.get("status_unavailable")),
     }
+    if outage and start == "cold" and mode == "relay":
+        # The collector stops answering (SIGSTOP: connections stay open, requests
+        # time out) for ``outage`` seconds, then resumes; every relay must come back.
+        sim.max_body = 0
+        collector.proc.send_signal(signal.SIGSTOP)
+        await asyncio.sleep(outage)
+        collector.proc.send_signal(signal.SIGCONT)
+        resumed = time.time()
+        deadline = resumed + 180
+        while time.time() < deadline and sum(1 for t in sim.last_ok.values() if t > resumed) < nodes:
+            await asyncio.sleep(0.5)
+        back = sum(1 for t in sim.last_ok.values() if t > resumed)
+        result.update(outage_s=outage, recovered_nodes=back,
+                      all_back_after_s=(max(sim.last_ok.values()) - resumed) if back == nodes else None,
+                      largest_report_bytes_in_outage=sim.max_body)
+        await asyncio.sleep(2 * sim.interval)
     # The hang: one rank stops; everyone else waits in the next collective.
     job.freeze()
     frozen_at = job.frozen_at
@@ -387,10 +671,15 @@ async def run_load(url: str, job: Job, mode: str, history: int, measure: float, 
     if verdict is None:
         result["hang_verdict_after_s"] = None
     result["hang_deadline_s"] = hang_timeout + 5
+    # One asyncio thread offers the load: near a full core it cannot offer more,
+    # and its own loop lag counts in the latencies. Such a row measures the generator.
+    result["generator_bound"] = result["generator_cpu"] >= GENERATOR_BOUND_CPU
     sim.stop = True
     for task in tasks:
         task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    failed = [r for r in await asyncio.gather(*tasks, return_exceptions=True)
+              if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError)]
+    result["generator_failures"] = [f"{type(e).__name__}: {e}" for e in failed[:3]]
     return result
 
 
@@ -399,9 +688,12 @@ def bench_one(ranks: int, args: argparse.Namespace) -> dict[str, Any]:
     collector = CollectorProcess(folder / "data", args.hang_timeout, args.server)
     try:
         history = args.history if args.history is not None else min(256, 2_000_000 // ranks)
-        job = Job(ranks, args.step_time, first_step=100_000, culprit=random.Random(ranks).randrange(ranks))
+        start = getattr(args, "start", "cold")
+        cold = start == "cold" and args.mode == "relay"
+        job = Job(ranks, args.step_time, first_step=0 if cold else 100_000,
+                  culprit=random.Random(ranks).randrange(ranks))
         result = asyncio.run(run_load(collector.url, job, args.mode, history, args.measure, args.hang_timeout,
-                                      collector))
+                                      collector, start=start, outage=getattr(args, "outage", 0.0)))
         result["history_steps"] = history
         result["culprit"] = job.culprit
         result["hang_named"] = result.get("hang_ranks") == [job.culprit]
@@ -419,6 +711,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--ranks", default="1000,10000,100000", help="comma-separated rank counts")
     parser.add_argument("--mode", choices=("relay", "direct"), default="relay")
     parser.add_argument("--server", choices=("aiohttp", "stdlib"), default="aiohttp")
+    parser.add_argument("--outage", type=float, default=0.0,
+                        help="seconds the collector stops answering (SIGSTOP) after the steady state, before the hang")
+    parser.add_argument("--start", choices=("cold", "spread"), default="cold",
+                        help="cold: every relay starts within a second with recorded messages (relay mode)")
     parser.add_argument("--measure", type=float, default=30.0, help="seconds of steady load measured")
     parser.add_argument("--step-time", type=float, default=1.0, help="seconds per optimizer step of every rank")
     parser.add_argument("--history", type=int, default=None,
@@ -449,26 +745,34 @@ def _fmt(value: Any, spec: str) -> str:
 
 
 def _line(r: dict[str, Any]) -> str:
-    return (f"N={r['ranks']}: {r['mode']} every {r['interval_s']:g}s, offered {r['offered_per_s']:.0f}/s, "
+    return (("GENERATOR-BOUND (the figures measure the load generator, not the collector): "
+             if r.get("generator_bound") else "")
+            + f"N={r['ranks']}: {r['mode']} every {r['interval_s']:g}s, {r.get('start')} start, "
+            f"{r.get('messages')} messages, every rank seen after {_fmt(r.get('all_seen_s'), '.1f')} s, offered {r['offered_per_s']:.0f}/s, "
             f"sent {r['sent_per_s']:.0f}/s, accepted {r['accepted_per_s']:.0f}/s "
             f"({r['heartbeats_per_s']:.0f} heartbeats/s), p50 {_fmt(r['p50_ms'], '.1f')} ms, "
-            f"p99 {_fmt(r['p99_ms'], '.1f')} ms, errors {r['errors']}, collector CPU {r['collector_cpu']:.2f} core, "
+            f"p99 {_fmt(r['p99_ms'], '.1f')} ms, errors {r['errors']} (503 {r.get('shed', 0)}), collector CPU {r['collector_cpu']:.2f} core, "
             f"RSS {r['collector_rss_mib']:.0f} MiB (peak {r['collector_peak_rss_mib']:.0f}), "
             f"tick {_fmt(r['tick_s'], '.3f')} s (max {_fmt(r['tick_max_s'], '.3f')}), generator CPU "
             f"{r['generator_cpu']:.2f} core, hang verdict after {_fmt(r['hang_verdict_after_s'], '.1f')} s "
             f"(deadline {r['hang_deadline_s']:g}), ranks {r.get('hang_ranks')} (culprit {r['culprit']})"
+            + (f", outage {r['outage_s']:g} s: {r['recovered_nodes']} nodes back, all after "
+               f"{_fmt(r['all_back_after_s'], '.1f')} s, largest report {r['largest_report_bytes_in_outage']} B"
+               if r.get("outage_s") else "")
             + (f", error samples {r['error_samples']}" if r["errors"] else ""))
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    head = ("| ranks | mode, cadence | offered/s | accepted/s | heartbeats/s | p50 ms | p99 ms | errors "
-            "| collector CPU | RSS MiB (peak) | tick s (max) | hang verdict s (deadline) | culprit named |")
+    head = ("| ranks | mode, cadence | all seen s | offered/s | accepted/s | heartbeats/s | p50 ms | p99 ms | errors "
+            "| collector CPU | generator CPU | RSS MiB (peak) | tick s (max) | hang verdict s (deadline) | culprit named |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         lines.append(
-            f"| {r['ranks']:,} | {r['mode']}, {r['interval_s']:g} s | {r['offered_per_s']:,.0f} "
+            f"| {r['ranks']:,}{' (generator-bound)' if r.get('generator_bound') else ''} "
+            f"| {r['mode']}, {r['interval_s']:g} s | {_fmt(r.get('all_seen_s'), '.1f')} "
+            f"| {r['offered_per_s']:,.0f} "
             f"| {r['accepted_per_s']:,.0f} | {r['heartbeats_per_s']:,.0f} | {_fmt(r['p50_ms'], '.1f')} "
-            f"| {_fmt(r['p99_ms'], '.1f')} | {r['errors']} | {r['collector_cpu']:.2f} "
+            f"| {_fmt(r['p99_ms'], '.1f')} | {r['errors']} | {r['collector_cpu']:.2f} | {r['generator_cpu']:.2f} "
             f"| {r['collector_rss_mib']:.0f} ({r['collector_peak_rss_mib']:.0f}) "
             f"| {_fmt(r['tick_s'], '.3f')} ({_fmt(r['tick_max_s'], '.3f')}) "
             f"| {_fmt(r['hang_verdict_after_s'], '.1f')} ({r['hang_deadline_s']:g}) | {r['hang_named']} |")

@@ -2,13 +2,28 @@
 
     python bench/gpu_acceptance.py                 # a node with 2 or more GPUs
     python bench/gpu_acceptance.py --only hang,nan_grad --wrappers ddp
-    python bench/gpu_acceptance.py --dry-run       # what it would run (the default without CUDA)
+    python bench/gpu_acceptance.py --dry-run       # check the matrix and print what it would run
 
 NO GPU RUN OF THIS SCRIPT HAS BEEN MADE HERE: no GPU is available to this
-project. It was written against torch's CUDA/NCCL sources (2.4-2.13), and on
-CPU it runs as a dry run that checks its own matrix (every case's script
-compiles, every expected verdict is a contract kind, every fault has a
-culprit). The first GPU run is the real test; please send its output.
+project. It was written against torch's CUDA/NCCL sources (2.4-2.13). On
+CPU, ``--dry-run`` checks its own matrix (the job compiles, every expected
+verdict is a contract kind, every fault has a culprit, and the FSDP2
+nan_grad fault fires: the job runs on 2 CPU ranks for that). Without
+``--dry-run`` on a node with fewer GPUs than the matrix needs it says so and
+exits 2 (nothing was checked). The first GPU run is the real test; please
+send its output.
+
+What it checks beyond verdicts, for the healthy jobs: the job makes no
+synchronize and no ``.item()`` of its own and runs its steps under
+``torch.cuda.set_sync_debug_mode("warn")`` (every synchronizing call counted,
+from any thread, with its stack): any sync more under rankwatch than under
+plain torchrun is a miss. While every rank is alive, the job counts the
+compute processes per GPU (NVML, else ``nvidia-smi``): more than one on a
+GPU (a rank with a context on GPU 0) is a miss. Step time is device time
+between CUDA events at each step's start (no host sync per step). Every
+launcher runs in a session of its own and its whole process group is killed
+at its timeout and after it ends (a hung plain-torchrun job's workers would
+otherwise spin in NCCL through the later cases).
 
 On a node with N >= 2 GPUs it runs, for DDP and for FSDP2 (`fully_shard`),
 in float32 and bfloat16, each fault of the matrix on one rank with
@@ -40,6 +55,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -78,18 +94,20 @@ WRAPPERS = ("ddp", "fsdp2")
 DTYPES = ("float32", "bfloat16")
 
 JOB = r'''
-import math, os, sys, time
+import json, math, os, sys, time, traceback, warnings
 import torch
 import torch.distributed as dist
 
 WRAPPER, DTYPE, FAULT = os.environ["ACC_WRAPPER"], os.environ["ACC_DTYPE"], os.environ["ACC_FAULT"]
 FAULT_RANK, FAULT_STEP, STEPS = int(os.environ["ACC_RANK"]), int(os.environ["ACC_STEP"]), int(os.environ["ACC_STEPS"])
+ON_CPU = os.environ.get("ACC_DEVICE") == "cpu"  # the dry run's own check of the job (gloo, small)
+WIDTH = 64 if ON_CPU else 4096
 local_rank = int(os.environ["LOCAL_RANK"])
-device = torch.device("cuda", local_rank)
+device = torch.device("cpu") if ON_CPU else torch.device("cuda", local_rank)
 dtype = getattr(torch, DTYPE)
-if WRAPPER == "fsdp2":
+if WRAPPER == "fsdp2" and not ON_CPU:
     torch.cuda.set_device(device)  # FSDP2's device mesh wants it; the DDP jobs do without on purpose
-dist.init_process_group("nccl")
+dist.init_process_group("gloo" if ON_CPU else "nccl")
 rank = dist.get_rank()
 me = rank == FAULT_RANK
 
@@ -101,33 +119,97 @@ def fault_now(step):
     return False
 
 
+def gpu_processes(pids):
+    """{gpu index: {"all": compute processes on it, "job": those of this job}}:
+    NVML (pynvml) if installed, else nvidia-smi."""
+    out = {}
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            procs = pynvml.nvmlDeviceGetComputeRunningProcesses(pynvml.nvmlDeviceGetHandleByIndex(i))
+            out[str(i)] = {"all": len(procs), "job": sum(p.pid in pids for p in procs)}
+        return out
+    except Exception:
+        out = {}
+    import subprocess
+    try:
+        query = lambda what: subprocess.run(["nvidia-smi", what, "--format=csv,noheader"], capture_output=True,
+                                            text=True, timeout=30).stdout
+        gpus, apps = query("--query-gpu=index,gpu_uuid"), query("--query-compute-apps=pid,gpu_uuid")
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    index = {}
+    for line in gpus.splitlines():
+        i, uuid = [p.strip() for p in line.split(",")[:2]]
+        index[uuid] = i
+        out[i] = {"all": 0, "job": 0}
+    for line in apps.splitlines():
+        pid, uuid = [p.strip() for p in line.split(",")[:2]]
+        if uuid in index and pid.isdigit():
+            out[index[uuid]]["all"] += 1
+            out[index[uuid]]["job"] += int(pid) in pids
+    return out
+
+
+# Every synchronizing CUDA call during the steps (torch.cuda.set_sync_debug_mode("warn")),
+# from any thread, with the line that made it: the job itself makes none.
+SYNCS = []
+_show = warnings.showwarning
+
+
+def _count_syncs(message, category, filename, lineno, file=None, line=None):
+    if "synchronizing" in str(message):
+        SYNCS.append("".join(traceback.format_stack(limit=8)[:-1]))
+        return
+    _show(message, category, filename, lineno, file, line)
+
+
+warnings.showwarning = _count_syncs
+warnings.filterwarnings("always", message=".*synchronizing.*")
+
 torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 4096),
-                            torch.nn.GELU(), torch.nn.Linear(4096, 1024)).to(device=device, dtype=dtype)
-if FAULT == "nan_grad" and me:
-    state = {"step": -1}
-    model[2].weight.register_hook(lambda g: g * float("nan") if state["step"] == FAULT_STEP else g)
+model = torch.nn.Sequential(torch.nn.Linear(WIDTH // 4, WIDTH), torch.nn.GELU(), torch.nn.Linear(WIDTH, WIDTH),
+                            torch.nn.GELU(), torch.nn.Linear(WIDTH, WIDTH // 4)).to(device=device, dtype=dtype)
 if WRAPPER == "ddp":
     from torch.nn.parallel import DistributedDataParallel as DDP
-    model = DDP(model, device_ids=[local_rank])
+    model = DDP(model, device_ids=None if ON_CPU else [local_rank])
+    layers = model.module
 else:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+    mesh = init_device_mesh("cpu" if ON_CPU else "cuda", (dist.get_world_size(),))
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    layers = model
+state = {"step": -1}
+if FAULT == "nan_grad" and me:
+    # Registered after the wrapper: fully_shard replaces the parameters (a hook on
+    # the old ones never fires), so the NaN enters the backward at layer 2's output
+    # (the gradients of layers 2 and 0 are NaN on this rank; the loss stays finite).
+    def poison(grad):
+        if state["step"] == FAULT_STEP:
+            print("FAULT_FIRED", flush=True)
+            return grad * float("nan")
+        return grad
+
+    layers[2].register_forward_hook(lambda module, args, out: out.register_hook(poison) and None)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 kept = []
-times = []
 batch = 64
+starts = []
 for step in range(STEPS):
-    if FAULT == "nan_grad" and me:
-        state["step"] = step
+    if not ON_CPU and step == 2:  # after set-up (DDP's and NCCL's own start-up syncs)
+        torch.cuda.set_sync_debug_mode("warn")
+    state["step"] = step
+    if FAULT == "nan_grad":
         fault_now(step)
-    t0 = time.perf_counter()
-    x = torch.randn(batch, 1024, device=device, dtype=dtype)
+    if not ON_CPU:
+        starts.append(torch.cuda.Event(enable_timing=True))
+        starts[-1].record()
+    x = torch.randn(batch, WIDTH // 4, device=device, dtype=dtype)
     if FAULT == "nan_loss" and fault_now(step):
         x.fill_(float("nan"))
     if FAULT == "oom" and fault_now(step):
@@ -159,12 +241,37 @@ for step in range(STEPS):
         if step == FAULT_STEP:
             fault_now(step)
         kept.append(torch.empty(32 << 20, dtype=torch.uint8, device=device))
-    if step % 10 == 0 and rank == 0:
-        print(f"step {step} loss {loss.item():.4f}", flush=True)  # the script's own sync, as users write
+    # No device sync and no scalar read of its own: every deferred read of
+    # rankwatch's must complete by itself, and any sync it adds is counted.
+if not ON_CPU:
+    torch.cuda.set_sync_debug_mode(0)
+    starts.append(torch.cuda.Event(enable_timing=True))
+    starts[-1].record()
     torch.cuda.synchronize(device)
-    times.append(time.perf_counter() - t0)
-if rank == 0:
-    print(f"STEP_MEDIAN {sorted(times[5:])[len(times[5:]) // 2]:.6f}", flush=True)
+    times = [a.elapsed_time(b) / 1000.0 for a, b in zip(starts[5:], starts[6:])]  # device time per step
+    print(f"SYNCS rank {rank} {len(SYNCS)}", flush=True)
+    for stack in SYNCS[:3]:
+        print(f"SYNC_AT rank {rank}\n{stack}", flush=True)
+    if rank == 0:
+        print(f"STEP_MEDIAN {sorted(times)[len(times) // 2]:.6f}", flush=True)
+    # One process per GPU: each rank's context only on its own GPU (a rank that
+    # touches GPU 0 by mistake shows as a second process there). Files, not a
+    # collective: an object collective would itself use the current device (0).
+    pid_dir = os.environ.get("ACC_PID_DIR")
+    if pid_dir:
+        with open(os.path.join(pid_dir, f"rank{rank}"), "w") as f:
+            f.write(str(os.getpid()))
+        world = dist.get_world_size()
+        deadline = time.time() + 60
+        if rank == 0:
+            while len([n for n in os.listdir(pid_dir) if n.startswith("rank")]) < world and time.time() < deadline:
+                time.sleep(0.1)
+            pids = {int(open(os.path.join(pid_dir, f"rank{r}")).read()) for r in range(world)
+                    if os.path.exists(os.path.join(pid_dir, f"rank{r}"))}
+            print("GPU_PROCS " + json.dumps(gpu_processes(pids)), flush=True)
+            open(os.path.join(pid_dir, "checked"), "w").close()
+        while not os.path.exists(os.path.join(pid_dir, "checked")) and time.time() < deadline:
+            time.sleep(0.1)
 dist.destroy_process_group()
 '''
 
@@ -175,13 +282,68 @@ def case_env(case: Case, wrapper: str, dtype: str, fault_rank: int) -> dict[str,
 
 
 def run(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int, str, float]:
+    """Run a launcher in a session of its own; past ``timeout`` kill its whole
+    process group (the launcher *and* its workers: a hung plain-torchrun
+    job's orphaned ranks would otherwise spin in NCCL and skew the cases
+    that follow), and in any case leave nothing of it running."""
     started = time.time()
+    proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
     try:
-        proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=timeout)
-        return proc.returncode, proc.stdout + proc.stderr, time.time() - started
-    except subprocess.TimeoutExpired as exc:
-        out = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        return -9, out + f"\n[gpu_acceptance] timed out after {timeout:.0f} s", time.time() - started
+        out, _ = proc.communicate(timeout=timeout)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        _kill_group(proc.pid)
+        out, _ = proc.communicate()
+        out = (out or "") + f"\n[gpu_acceptance] timed out after {timeout:.0f} s (process group killed)"
+        code = -9
+    _kill_group(proc.pid)  # workers a launcher left behind
+    return code, out or "", time.time() - started
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def judge_syncs(watched_output: str, plain_output: str) -> Optional[str]:
+    """The healthy job's synchronizing calls (SYNCS lines, one per rank):
+    any more under rankwatch than without it is a sync rankwatch added."""
+    def total(output: str) -> Optional[int]:
+        found = re.findall(r"SYNCS rank \d+ (\d+)", output)
+        return sum(int(n) for n in found) if found else None
+
+    watched, plain = total(watched_output), total(plain_output)
+    if watched is None:
+        return "sync count missing (the job did not finish its steps)"
+    if watched > (plain or 0):
+        where = re.findall(r"SYNC_AT rank \d+\n(.*?)(?=\nSYNC|\nSTEP_MEDIAN|\Z)", watched_output, re.S)
+        return f"rankwatch added {watched - (plain or 0)} synchronizing call(s); first at:\n" + (where[0] if where else "?")
+    return None
+
+
+def judge_gpu_processes(output: str, nproc: int) -> Optional[str]:
+    """One process per GPU (the GPU_PROCS line the job printed while every
+    rank was alive): a rank with a context on another GPU (GPU 0, through
+    an event or a summary of the current device) shows as a second process
+    there. The job's own PIDs are used when the GPU driver reports them (in
+    a PID namespace it may not; then every compute process counts)."""
+    found = re.search(r"GPU_PROCS (\{.*\})", output)
+    if not found:
+        return "GPU processes not checked (no GPU_PROCS line)"
+    procs = json.loads(found.group(1))
+    if "error" in procs:
+        return f"GPU processes not checked: {procs['error']}"
+    key = "job" if any(v.get("job") for v in procs.values()) else "all"
+    crowded = {gpu: v[key] for gpu, v in procs.items() if v[key] > 1}
+    used = sum(v[key] for v in procs.values())
+    if crowded:
+        return f"more than one process on GPU(s) {crowded} ({key} processes): a rank created a context off its device"
+    if key == "job" and used != nproc:
+        return f"{used} of the job's {nproc} processes on the GPUs"
+    return None
 
 
 def torchrun_outcome(code: int, output: str, seconds: float) -> str:
@@ -216,6 +378,35 @@ def judge(case: Case, fault_rank: int, report: dict, fault_at: Optional[float]) 
         str(v["ranks"]), seconds
 
 
+def _nan_grad_fires_under_fsdp2() -> Optional[str]:
+    """Run the job itself on CPU (gloo, 2 ranks, a small model) with FSDP2
+    and the nan_grad fault: the fault must fire (a hook registered before
+    fully_shard replaced the parameters never did)."""
+    import tempfile as _tempfile
+
+    with _tempfile.TemporaryDirectory() as tmp:
+        job = Path(tmp) / "acceptance_job.py"
+        job.write_text(JOB)
+        env = {**case_env(Case("nan_grad", "nonfinite", steps=6, fault_step=3), "fsdp2", "float32", 1),
+               "ACC_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(_free_port()), str(job)]
+        code, out, _ = run(cmd, env, 180.0)
+    if code != 0:
+        return f"nan_grad on CPU: the job failed (exit {code}): {out[-1500:]}"
+    if "FAULT_FIRED" not in out:
+        return "nan_grad: the injected NaN never fired under fully_shard"
+    return None
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def dry_run(cases: list[Case], wrappers: list[str], dtypes: list[str]) -> int:
     """Check the matrix itself: the job compiles, every expected verdict is a
     contract kind, every fault knows its step; print what would run."""
@@ -234,6 +425,12 @@ def dry_run(cases: list[Case], wrappers: list[str], dtypes: list[str]) -> int:
         for dtype in dtypes:
             for case in cases:
                 print(f"{wrapper:<7} {dtype:<9} {case.fault:<11} {case.expected or 'no verdict':<20} {case.steps}")
+    if any(c.fault == "nan_grad" for c in cases) and "fsdp2" in wrappers:
+        problem = _nan_grad_fires_under_fsdp2()
+        if problem:
+            problems.append(problem)
+        else:
+            print("[gpu_acceptance] nan_grad fires on the parameters fully_shard creates (2 CPU ranks, gloo)")
     for problem in problems:
         print(f"[gpu_acceptance] matrix problem: {problem}")
     print(f"[gpu_acceptance] {len(wrappers) * len(dtypes) * len(cases)} cases; "
@@ -260,10 +457,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     except Exception:
         gpus = 0
-    if a.dry_run or gpus < 2:
-        if not a.dry_run:
-            print(f"[gpu_acceptance] {gpus} GPU(s) here: a real run needs 2 or more; dry run instead")
+    if a.dry_run:
         return dry_run(cases, wrappers, dtypes)
+    needed = max(2, a.nproc)
+    if gpus < needed:
+        print(f"[gpu_acceptance] {gpus} GPU(s) here: the matrix needs {needed}; nothing was run "
+              f"(--dry-run checks the matrix without GPUs)")
+        return 2
     nproc = a.nproc or gpus
     fault_rank = nproc - 1
     misses = 0
@@ -277,6 +477,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                 for case in cases:
                     env = case_env(case, wrapper, dtype, fault_rank)
                     run_dir = Path(tmp) / f"{wrapper}-{dtype}-{case.fault}"
+                    if case.fault == "healthy":
+                        env["ACC_PID_DIR"] = str(Path(tmp) / f"pids-{wrapper}-{dtype}-watched")
+                        os.makedirs(env["ACC_PID_DIR"])
                     watched = [sys.executable, "-m", "rankwatch.cli", "run", "--run-dir", str(run_dir),
                                "--nproc-per-node", str(nproc)]
                     if case.hang_timeout:
@@ -291,8 +494,20 @@ def main(argv: Optional[list[str]] = None) -> int:
                     plain_cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                                  str(job)]
                     plain_timeout = min(a.timeout, 120.0) if case.fault == "hang" else a.timeout
+                    if case.fault == "healthy":
+                        env["ACC_PID_DIR"] = str(Path(tmp) / f"pids-{wrapper}-{dtype}-plain")
+                        os.makedirs(env["ACC_PID_DIR"])
                     pcode, pout, pseconds = run(plain_cmd, env, plain_timeout)
                     if case.fault == "healthy":
+                        # No sync and one process per GPU: what rankwatch adds is a miss.
+                        for problem in (judge_syncs(out, pout), judge_gpu_processes(out, nproc)):
+                            if problem is not None:
+                                ok = False
+                                got += f"; {problem}"
+                                print(f"[gpu_acceptance] {wrapper} {dtype} healthy: {problem}", flush=True)
+                        plain_procs = judge_gpu_processes(pout, nproc)
+                        if plain_procs is not None:
+                            print(f"[gpu_acceptance] plain torchrun, {wrapper} {dtype}: {plain_procs}", flush=True)
                         w = re.search(r"STEP_MEDIAN (\S+)", out)
                         pl = re.search(r"STEP_MEDIAN (\S+)", pout)
                         if w and pl:

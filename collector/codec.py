@@ -185,6 +185,51 @@ def _check_identity(d: dict) -> wire.RankIdentity:
     return _RankIdentity(run_id, rank, local_rank, world, node_rank, host, pid, attempt)
 
 
+_FINGERPRINT_KEYS = frozenset(("step", "names", "norms"))
+_MARK_KEYS = frozenset(("step", "seqs"))
+_CollectiveMark = wire.CollectiveMark
+_MAX_NAME = 1024  # a parameter's name; a longer one takes wire's road (its limit is wire.MAX_STRING_CHARS)
+
+
+def _fingerprints(value: Any) -> list:
+    """Parameter fingerprints of the common shape: a step, printable names
+    (or none: the rank's last ones), finite norms, as many of each. Anything
+    else (a non-finite norm sent as a string, other keys) takes wire's road."""
+    if type(value) is not list or len(value) > wire.MAX_LIST_ITEMS:
+        raise _Slow
+    for fp in value:
+        if type(fp) is not dict or not fp.keys() <= _FINGERPRINT_KEYS:
+            raise _Slow
+        _count(fp.get("step"))
+        norms = fp.get("norms")
+        if type(norms) is not list or len(norms) > wire.MAX_LIST_ITEMS:
+            raise _Slow
+        for v in norms:
+            t = type(v)
+            if not ((t is float and -1e308 <= v <= 1e308) or (t is int and -_MAX_INT <= v <= _MAX_INT)):
+                raise _Slow
+        names = fp.get("names")
+        if names is not None:
+            if type(names) is not list or (names and len(names) != len(norms)):
+                raise _Slow
+            for n in names:
+                if type(n) is not str or len(n) > _MAX_NAME or not n.isprintable():
+                    raise _Slow
+        fp["norms"] = [float(v) for v in norms]
+    return value
+
+
+def _marks(value: Any) -> list:
+    if type(value) is not list or len(value) > wire.MAX_LIST_ITEMS:
+        raise _Slow
+    out = []
+    for mark in value:
+        if type(mark) is not dict or not mark.keys() <= _MARK_KEYS:
+            raise _Slow
+        out.append(_CollectiveMark(_count(mark.get("step")), _seqs(mark.get("seqs", {}))))
+    return out
+
+
 def _phase(v: Any) -> str:
     if type(v) is not str or not _TOKEN(v):
         raise _Slow
@@ -211,8 +256,10 @@ def _fast(data: Any) -> wire.Heartbeat:
     if type(version) is not int or not 0 <= version <= wire.WIRE_VERSION:
         raise _Slow
     get = data.get
-    if get("fingerprints"):
-        raise _Slow  # every N steps: wire's rules (fingerprints are free-form)
+    fingerprints = get("fingerprints")
+    fingerprints = _fingerprints(fingerprints) if fingerprints else []
+    marks = get("marks")
+    marks = _marks(marks) if marks else []
     steps: list = []
     rows = get("step_rows")
     if rows:
@@ -221,6 +268,8 @@ def _fast(data: Any) -> wire.Heartbeat:
         steps = [_row(r) for r in rows]
     lists = {}
     for name, decode in _SLOW_LISTS.items():
+        if name == "marks":
+            continue  # above
         value = get(name)
         if value:  # rare (events) or every few steps (marks): wire's own decoder
             lists[name] = decode(value, f"Heartbeat.{name}")
@@ -241,8 +290,9 @@ def _fast(data: Any) -> wire.Heartbeat:
         collectives_enqueued=_seqs(enqueued) if enqueued else {},
         collectives_completed=_seqs(completed) if completed else {},
         steps=steps,
-        marks=lists.get("marks", []),
+        marks=marks,
         events=lists.get("events", []),
+        fingerprints=fingerprints,
         host_memory=_host_memory(memory) if memory else {},
         version=version,
         steps_skipped=_count(get("steps_skipped", 0)),

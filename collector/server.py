@@ -28,6 +28,10 @@ Every request is untrusted: with a token, every endpoint but /healthz (and
 bounded before it is read; a request must arrive whole within
 REQUEST_TIMEOUT (headers trickled byte by byte are cut off); connections
 beyond MAX_CONNECTIONS are refused; JSON is validated field by field.
+
+Ingest is admitted before its body is read (`admission.py`): a collector
+that is behind answers 503 with `Retry-After` and the cadence at once,
+instead of letting a backlog time every request out.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from typing import Any, Callable, Optional
 from rankwatch import wire
 
 from . import codec
+from .admission import INGEST_PATHS, Admission, AdmissionConfig, collector_cadence
 from .service import Collector, RequestError
 
 log = logging.getLogger("rankwatch.collector")
@@ -72,6 +77,12 @@ _EMPTY_REPLY = {"commands": [], "version": wire.WIRE_VERSION}
 
 
 _EMPTY_BYTES: dict[Any, bytes] = {}
+
+
+def _timed(handle: Callable[..., Response], *args: Any) -> tuple[Response, float]:
+    started = time.perf_counter()
+    result = handle(*args)
+    return result, time.perf_counter() - started
 
 
 def _reply_dict(reply: Any) -> Any:
@@ -256,7 +267,8 @@ class _Server(ThreadingHTTPServer):
                 self._active += 1
         if full:
             try:
-                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Length: 0\r\n"
+                                b"Connection: close\r\n\r\n")
             except OSError:
                 pass
             self.shutdown_request(request)
@@ -274,11 +286,17 @@ class _Server(ThreadingHTTPServer):
 class CollectorServer:
     def __init__(self, collector: Collector, host: str = "127.0.0.1", port: int = 0,
                  token: Optional[str] = None, metrics_handler=None, metrics_open: bool = False,
-                 max_connections: int = 256, routes: Optional[Any] = None):
+                 max_connections: int = 256, routes: Optional[Any] = None,
+                 admission: Optional[AdmissionConfig] = None):
         self.collector = collector
         self.token = token
         self.routes = routes or Routes(collector, token, metrics_handler, metrics_open)
-        self.httpd = _Server((host, port), _make_handler(self.routes))
+        # Admission only when asked (`collector serve`): the embedded collector
+        # serves one node's handful of agents, and a relay's server (no
+        # collector) takes its node's beats on loopback; nothing to shed there.
+        self.admission = Admission(admission, collector_cadence(collector)) \
+            if collector is not None and admission is not None else None
+        self.httpd = _Server((host, port), _make_handler(self.routes, self.admission))
         self.httpd.max_connections = max_connections
         self._thread: Optional[threading.Thread] = None
 
@@ -298,7 +316,7 @@ class CollectorServer:
         self.httpd.server_close()
 
 
-def _make_handler(routes: Routes):
+def _make_handler(routes: Routes, admission: Optional[Admission] = None):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         server_version = "rankwatch-collector"
@@ -339,7 +357,7 @@ def _make_handler(routes: Routes):
             self.send_header("Content-Length", str(len(body)))
             for key, value in headers.items():
                 self.send_header(key, value)
-            if status in (401, 411, 413):  # the body was not read: the connection cannot be reused
+            if status in (401, 411, 413) or self.close_connection:  # body unread: the connection cannot be reused
                 self.send_header("Connection", "close")
                 self.close_connection = True
             self.end_headers()
@@ -353,15 +371,28 @@ def _make_handler(routes: Routes):
                 if early is not None:
                     self._send(early)
                     return
-                body = b""
-                if method == "POST":
-                    size = int(self.headers["Content-Length"])
-                    body = self.rfile.read(size)
-                    if len(body) != size:
-                        self._send(_json(400, {"error": "truncated body"}))
+                ticket = None
+                if admission is not None and method == "POST" and path in INGEST_PATHS:
+                    ticket = admission.enter()
+                    if ticket is None:  # behind: answered before the body is read, the connection closed
                         self.close_connection = True
+                        self._send(admission.shed_response())
                         return
-                self._send(routes.handle(method, path, body, self.headers.get))
+                cost = 0.0
+                try:
+                    body = b""
+                    if method == "POST":
+                        size = int(self.headers["Content-Length"])
+                        body = self.rfile.read(size)
+                        if len(body) != size:
+                            self._send(_json(400, {"error": "truncated body"}))
+                            self.close_connection = True
+                            return
+                    result, cost = _timed(routes.handle, method, path, body, self.headers.get)
+                finally:
+                    if ticket is not None:
+                        admission.leave(ticket, cost)
+                self._send(result)
             except (BrokenPipeError, ConnectionResetError, socket.timeout):
                 self.close_connection = True  # the client went away or was too slow
 
@@ -381,15 +412,24 @@ def _make_handler(routes: Routes):
 
 class AsyncCollectorServer:
     """The standalone collector's server: aiohttp, one event loop in its own
-    thread. Heartbeats and node reports are ingested on the loop (short, CPU
-    only); bundles, finish, reports and /metrics run in a worker thread."""
+    thread. Heartbeats, node reports and node views are admitted on the loop
+    (`admission.py`) and taken in on one ingest thread; bundles, finish,
+    reports and /metrics run in a worker thread."""
 
     def __init__(self, collector: Collector, host: str = "127.0.0.1", port: int = 0,
                  token: Optional[str] = None, metrics_handler=None, metrics_open: bool = False,
-                 max_connections: int = MAX_CONNECTIONS, request_timeout: float = REQUEST_TIMEOUT):
+                 max_connections: int = MAX_CONNECTIONS, request_timeout: float = REQUEST_TIMEOUT,
+                 admission: Optional[AdmissionConfig] = None):
         self.collector = collector
         self.token = token
         self.routes = Routes(collector, token, metrics_handler, metrics_open)
+        self.admission = Admission(admission, collector_cadence(collector))
+        # Ingest runs on one thread of its own, so the loop always answers:
+        # a report waiting for the collector (a tick holding its lock) never
+        # stops the next one from being admitted or shed.
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._ingest = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rankwatch-ingest")
         self.host, self.port = host, port
         self.max_connections = max_connections
         self.request_timeout = request_timeout
@@ -492,6 +532,23 @@ class AsyncCollectorServer:
                 response = _aio_response(web, early)
                 response.force_close()
                 return response
+            ticket = None
+            if method == "POST" and path in INGEST_PATHS:
+                ticket = server.admission.enter()
+                if ticket is None:  # behind: answered before the body is decoded
+                    response = _aio_response(web, server.admission.shed_response())
+                    if request.content.is_eof():
+                        await request.read()  # already buffered: taken (not decoded), the connection kept
+                    else:
+                        response.force_close()  # still arriving: not waited for
+                    return response
+            try:
+                return await ingest_or_route(request, protocol, method, path, ticket)
+            finally:
+                if ticket is not None:
+                    server.admission.leave(ticket, None)  # no-op once taken in; else the body never came
+
+        async def ingest_or_route(request, protocol, method, path, ticket) -> "web.StreamResponse":
             body = b""
             if method == "POST":
                 try:
@@ -511,8 +568,10 @@ class AsyncCollectorServer:
             if isinstance(protocol, Protocol):
                 protocol.started = None  # the request is in: the next one gets its own deadline
             headers = request.headers
-            if path in ("/v1/heartbeat", "/v1/node-report", "/v1/nodes"):
-                result = server.routes.handle(method, path, body, headers.get)
+            if ticket is not None:
+                result, cost = await loop.run_in_executor(server._ingest, _timed, server.routes.handle, method, path,
+                                                          body, headers.get)
+                server.admission.leave(ticket, cost)
             else:  # bundles, finish, reports, status, metrics: off the loop
                 result = await loop.run_in_executor(None, server.routes.handle, method, path, body, headers.get)
             return _aio_response(web, result)
@@ -542,6 +601,7 @@ class AsyncCollectorServer:
                     protocol.transport.close()
 
     async def _shutdown(self) -> None:
+        self._ingest.shutdown(wait=False)
         self._sweeper.cancel()
         self._site_server.close()
         for protocol in list(self._protocols):

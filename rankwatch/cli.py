@@ -316,8 +316,11 @@ def collector(argv: list[str]) -> int:
         from rankwatch.collector.server import AsyncCollectorServer as server_class
     else:
         server_class = CollectorServer
+    from rankwatch.collector.admission import AdmissionConfig
+
+    # Behind, the standalone collector sheds reports before reading them (503, Retry-After).
     server = server_class(service, host=cfg.bind, port=args.port, token=cfg.token, metrics_handler=metrics.render,
-                          metrics_open=cfg.metrics_open)
+                          metrics_open=cfg.metrics_open, admission=AdmissionConfig())
     service.start()
     server.start()
     print(f"rankwatch collector listening on {server.url} (data in {args.data_dir})", flush=True)

@@ -317,3 +317,106 @@ def test_an_oom_that_ends_the_rank_is_oom_with_the_snapshot(agent, gpu, monkeypa
     bundle = unpack(delivered[0][1])
     assert bundle.manifest.reason == "oom"
     assert bundle.get("memory_snapshot.json")["summary"]["allocated_bytes"] > 0
+
+
+def test_an_oom_names_the_device_total_as_such_and_summarises_the_ranks_own_device(agent, gpu, monkeypatch):
+    """Issue 25, finding 8: the allocator calls its OOM observer with
+    (device, requested, device total, device free); the total was stored as
+    `device_allocated_bytes`. And the memory summary was taken without a
+    device: on a rank that never called set_device, GPU 0's."""
+    from rankwatch.agent import bundle as bundle_mod
+
+    gpu.snapshot = json.loads((DATA / "cuda_snapshot.json").read_text())
+    gpu.total[1] = 80 << 30
+    gpu.set_memory(1, 3 << 30, reserved=4 << 30)
+    delivered = []
+    monkeypatch.setattr(bundle_mod, "deliver", lambda agent, archive, incident, timeout=5.0: delivered.append(
+        (incident, archive)))
+    model = DDP(_net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    _train(model, opt, 2)
+    gpu.touched.clear()
+    try:
+        gpu.raise_oom(1 << 33)
+    except torch.cuda.OutOfMemoryError as exc:
+        agent.on_exception(exc)
+    oom = [e for e in agent.events_log if e.kind == "oom"]
+    assert oom, [e.kind for e in agent.events_log]
+    details = oom[0].details
+    assert details["device_total_bytes"] == 80 << 30, details
+    assert details.get("device_allocated_bytes") != 80 << 30, details
+    from rankwatch.bundles import unpack
+
+    bundle = unpack(delivered[0][1])
+    assert "device 1" in bundle.text_members.get("memory_summary.txt", ""), sorted(bundle.text_members)
+    assert 0 not in gpu.touched, "GPU 0 (the current device) was asked about: a context there on CUDA"
+
+
+class _ModelledCuda:
+    """What CUDA does with the current device during event work (read in
+    torch 2.13's sources, REFERENCE.md "CUDA semantics"): a rank that never
+    called set_device has device 0 current while its tensors live on
+    device k. `torch.Event` goes through InlineEvent -> CUDAGuardImpl, whose
+    record / elapsed_time / destroy end with setDevice(orig): device 0 is
+    made current, and on CUDA 12 that creates a primary context there.
+    `torch.cuda.Event` switches with a RAII guard (MaybeSetDevice) that
+    creates none. `contexts` holds the devices a context was created on."""
+
+    def __init__(self, current: int, tensors_on: int) -> None:
+        self.current = current
+        self.contexts = {tensors_on}
+        outer = self
+
+        class Stream:
+            def __init__(self, index):
+                self.device = torch.device("cuda", index)
+
+        class ModuleEvent:  # torch.cuda.Event
+            def __init__(self, enable_timing=False):
+                self.at = None
+
+            def record(self, stream=None):
+                self.at = time.perf_counter()  # MaybeSetDevice(stream's device): no new context
+
+            def query(self):
+                return True
+
+            def elapsed_time(self, end):
+                return (end.at - self.at) * 1000.0
+
+        class GenericEvent:  # torch.Event
+            def __init__(self, device=None, enable_timing=False):
+                self.at = None
+
+            def record(self, stream=None):
+                self.at = time.perf_counter()
+                outer.contexts.add(outer.current)  # CUDAGuardImpl: setDevice(orig_device)
+
+            def query(self):
+                outer.contexts.add(outer.current)
+                return True
+
+            def elapsed_time(self, end):
+                outer.contexts.add(outer.current)
+                return (end.at - self.at) * 1000.0
+
+        self.Stream, self.Event, self.GenericEvent = Stream, ModuleEvent, GenericEvent
+
+    def current_stream(self, device=None):
+        return self.Stream(self.current if device is None or device.index is None else device.index)
+
+
+def test_event_work_creates_no_context_on_the_current_device(monkeypatch):
+    """Issue 25, finding 4: the accelerator adapter's events on GPU 1, with
+    GPU 0 current (no set_device), must create no context on GPU 0."""
+    cuda = _ModelledCuda(current=0, tensors_on=1)
+    adapter = device_mod.AcceleratorDevice("cpu")  # any device type: its module is the model above
+    adapter.module = cuda
+    monkeypatch.setattr(torch, "Event", cuda.GenericEvent)
+    monkeypatch.setattr(torch.accelerator, "current_stream", cuda.current_stream, raising=False)
+    on = torch.device("cuda", 1)
+    start = adapter.event(on, timing=True)
+    end = adapter.event(on, timing=True)
+    assert adapter.ready(end)
+    assert adapter.elapsed_s(start, end) is not None
+    assert cuda.contexts == {1}, f"contexts on devices {sorted(cuda.contexts)}: GPU 0 got one"

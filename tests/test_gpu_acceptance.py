@@ -1,26 +1,104 @@
-"""bench/gpu_acceptance.py without a GPU: a dry run that checks its own
-matrix and exits 0 (a real run needs a node with 2 or more GPUs)."""
+"""bench/gpu_acceptance.py without a GPU: the dry run checks its own matrix
+(and runs the FSDP2 nan_grad job on 2 CPU ranks: ~15 s); without
+``--dry-run`` and without GPUs it says so and fails; the parts that judge a
+GPU run (syncs added, processes per GPU, killing a hung launcher's group)
+are checked on outputs and processes of their own."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "gpu_acceptance.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("gpu_acceptance", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_the_dry_run_checks_and_prints_the_matrix():
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_acceptance.py")], capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run"], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "40 cases; matrix OK" in proc.stdout
     for fault in ("hang", "crash", "nan_loss", "nan_grad", "straggler", "leak", "oom", "oom_caught", "mismatch",
                   "healthy"):
         assert f" {fault} " in proc.stdout
     assert "fsdp2   bfloat16" in proc.stdout
+    # the NaN is injected where fully_shard's own parameters get it (the hook on the
+    # pre-fully_shard parameter never fired): the job ran on CPU ranks and it fired
+    assert "nan_grad fires on the parameters fully_shard creates" in proc.stdout
+
+
+def test_without_enough_gpus_it_says_so_and_fails():
+    """It used to print the dry run and exit 0: a node without GPUs passed."""
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--only", "healthy"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode != 0, proc.stdout
+    assert "the matrix needs 2" in proc.stdout and "nothing was run" in proc.stdout, proc.stdout
+
+
+def test_the_job_makes_no_sync_of_its_own_and_counts_every_sync():
+    job = _bench().JOB
+    loop = job[job.index("for step in range(STEPS):"):job.index("torch.cuda.set_sync_debug_mode(0)")]
+    assert "synchronize(" not in loop and ".item()" not in loop and "print(f\"step" not in loop
+    assert 'torch.cuda.set_sync_debug_mode("warn")' in loop
+
+
+def test_a_sync_rankwatch_adds_is_a_miss():
+    bench = _bench()
+    plain = "SYNCS rank 0 0\nSYNCS rank 1 0\nSTEP_MEDIAN 0.01\n"
+    assert bench.judge_syncs("SYNCS rank 0 0\nSYNCS rank 1 0\n", plain) is None
+    watched = "SYNCS rank 0 2\nSYNC_AT rank 0\n  File \"agent/update_checks.py\", line 365\nSYNCS rank 1 0\n"
+    problem = bench.judge_syncs(watched, plain)
+    assert problem is not None and "added 2" in problem and "update_checks.py" in problem
+    assert bench.judge_syncs("crashed\n", plain) is not None  # no count: never a pass
+
+
+def test_a_second_process_on_a_gpu_is_a_miss():
+    bench = _bench()
+    one_each = 'GPU_PROCS {"0": {"all": 1, "job": 1}, "1": {"all": 1, "job": 1}}'
+    assert bench.judge_gpu_processes(one_each, 2) is None
+    on_zero = 'GPU_PROCS {"0": {"all": 2, "job": 2}, "1": {"all": 1, "job": 1}}'
+    assert "GPU(s) {'0': 2}" in bench.judge_gpu_processes(on_zero, 2)
+    namespaced = 'GPU_PROCS {"0": {"all": 2, "job": 0}, "1": {"all": 1, "job": 0}}'  # PIDs not visible
+    assert bench.judge_gpu_processes(namespaced, 2) is not None
+    assert bench.judge_gpu_processes("no line", 2) is not None
+    assert bench.judge_gpu_processes('GPU_PROCS {"error": "FileNotFoundError"}', 2) is not None
+
+
+def test_a_launcher_past_its_timeout_is_killed_with_its_whole_process_group(tmp_path):
+    """A hung plain-torchrun job: killing torchrun alone left its workers running."""
+    pid_file = tmp_path / "worker.pid"
+    launcher = (f"import subprocess, sys, time\n"
+                f"worker = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+                f"open({str(pid_file)!r}, 'w').write(str(worker.pid))\n"
+                f"time.sleep(120)\n")
+    code, out, seconds = _bench().run([sys.executable, "-c", launcher], {}, 3.0)
+    assert code == -9 and "process group killed" in out and seconds < 60
+    worker = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(worker, 0)
+        except ProcessLookupError:
+            break
+        with open(f"/proc/{worker}/stat") as f:  # killed but not yet reaped by init: a zombie is gone
+            if f.read().split()[2] == "Z":
+                break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"the launcher's worker {worker} still runs")
 
 
 def test_its_docstring_says_no_gpu_run_was_made():
-    text = (ROOT / "bench" / "gpu_acceptance.py").read_text()
+    text = SCRIPT.read_text()
     assert "NO GPU RUN OF THIS SCRIPT HAS BEEN MADE HERE" in text

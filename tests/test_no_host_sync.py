@@ -16,6 +16,12 @@ GradScaler's found-inf check), call site for call site.
 
 The last test adds an `.item()` to the gradient hook and checks that this
 test would fail.
+
+Those modes are thread-local and, under the GPU-like double, a host-to-device
+copy dispatches nothing. The tests at the end run real steps on a device
+the dispatcher sees (agent/dispatch_double.py, issue 25): every blocking
+transfer from any thread is counted with its line, and their meta-test adds
+an `.item()` and a `torch.tensor(..., device=d)` to the gradient hook.
 """
 
 from __future__ import annotations
@@ -169,3 +175,45 @@ def test_the_detector_catches_an_item_on_the_hot_path(world, baseline, monkeypat
     reads, _ = _with_agent(grad_check_budget=0.0)
     added = reads - baseline
     assert any(what in ("aten::_local_scalar_dense", "Tensor.item") for (what, _file, _line) in added), added
+
+
+# -- on a device the dispatcher sees (agent/dispatch_double.py), every thread ---------------------
+
+def _device_syncs(budget: float, *faults: str) -> dict:
+    """tests/scripts/device_syncs.py in a process of its own (~8 s)."""
+    import json
+    import subprocess
+
+    from conftest import SCRIPTS, worker_env
+
+    done = subprocess.run([sys.executable, str(SCRIPTS / "device_syncs.py"), str(budget), *faults],
+                          capture_output=True, text=True, timeout=240, env=worker_env())
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("budget", [0.0, 1e-9], ids=["full_check_every_step", "probe_on_sampled_out_steps"])
+def test_the_agent_adds_no_host_device_transfer_on_a_dispatcher_visible_device(budget):
+    """Issue 25, findings 1-3: `torch.tensor(..., device=d)` for the stale
+    watch's sample index (every step), for the batch fingerprint's positions
+    (every new input shape: 20 here, more than the cache held), and the
+    probe layout's `.to(device)` copies (every parameter, whenever the
+    probe's size changes) were each a blocking host-to-device copy on CUDA.
+    The steps' inputs change shape every step; the gradient hooks run on
+    the autograd engine's device thread, which a thread-local mode cannot see."""
+    result = _device_syncs(budget)
+    assert not result["disabled"], result["disabled"]
+    assert not result["added"], "host<->device syncs the agent added:\n" + "\n".join(
+        f"  {what} at {file}:{line} x{n}" for what, file, line, n in result["added"])
+    # the checks ran, on the device path, on every step they watch
+    assert result["records"] == 24
+    assert result["grad_checked"] >= 22 and result["fingerprinted"] >= 22, result
+
+
+def test_the_device_sync_test_can_fail():
+    """What the test above is for: an `.item()` and a `torch.tensor(...,
+    device=d)` added to the gradient hook are each seen, with their line."""
+    result = _device_syncs(0.0, "item_in_grad_hook", "tensor_on_device_in_hook")
+    seen = {(what, os.path.basename(file)) for what, file, _line, _n in result["added"]}
+    assert ("aten::_local_scalar_dense", "device_syncs.py") in seen, result["added"]
+    assert ("host to device copy", "device_syncs.py") in seen, result["added"]

@@ -57,6 +57,11 @@ GOOD = [
     _beat(events=[{"kind": "exception", "at": time.time(), "step": 3, "details": {"message": "boom"}}]),
     _beat(marks=[{"step": 10, "seqs": {"0": 30}}]),
     _beat(fingerprints=[{"step": 9, "names": ["param:w"], "norms": [1.5]}]),
+    _beat(fingerprints=[{"step": 9, "norms": [1.5, 2]}]),  # names sent only when they change
+    _beat(fingerprints=[{"step": 9, "names": ["param:w"], "norms": ["NaN"]}]),  # wire's road: kept as nan
+    _beat(fingerprints=[{"step": 9, "names": ["a\tb"], "norms": [1.0]}]),  # not printable: wire's road
+    _beat(fingerprints=[{"step": 9, "names": ["w"], "norms": [1.0], "extra": 1}]),
+    _beat(marks=[{"step": 10, "seqs": {"0": 30, "1": -1}}, {"step": 11}]),
     _beat(steps=[{"step": 10, "started_at": 1.0, "ended_at": 2.0}]),
     _beat(steps_skipped=7),
     _beat(collectives_enqueued={}, host_memory={}),
@@ -83,7 +88,42 @@ BAD = [
     _beat(step_columns=["step", "step"], step_rows=[[1, 2]]),
     _beat(version=99),
     _beat(identity=5),
+    _beat(fingerprints=[{"step": -1, "names": ["w"], "norms": [1.0]}]),
+    _beat(fingerprints=[{"step": 9, "names": ["w", "v"], "norms": [1.0]}]),
+    _beat(fingerprints=[{"step": 9, "names": ["w"], "norms": [2**70]}]),
+    _beat(fingerprints=[{"step": 9, "names": [5], "norms": [1.0]}]),
+    _beat(fingerprints=[{"step": 9, "names": ["w"], "norms": "x"}]),
+    _beat(marks=[{"step": 10, "seqs": {"0": "x"}}]),
+    _beat(marks=[{"step": True, "seqs": {}}]),
 ]
+
+
+def _recorded_beats():
+    """Every heartbeat a real job's relay sent (bench/data/node_reports.json.gz)."""
+    import gzip
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "data" / "node_reports.json.gz"
+    with gzip.open(path, "rt") as f:
+        reports = [json.loads(r) for r in json.load(f)["reports"]]
+    return [hb for r in reports for hb in r["heartbeats"]]
+
+
+def test_recorded_heartbeats_decode_alike_and_take_the_fast_road():
+    """The messages real agents send (fingerprints, marks, GPU-flavour rows)
+    decode as wire decodes them, and all but events take the fast road
+    (wire's generic decoder cost ~10x per beat: issue 29's ingest cost)."""
+    beats = _recorded_beats()
+    assert any(hb.get("fingerprints") for hb in beats) and any(hb.get("marks") for hb in beats)
+    slow = 0
+    for data in beats:
+        assert _same(codec.decode_heartbeat(copy.deepcopy(data)), _slow(data))
+        try:
+            codec._fast(copy.deepcopy(data))
+        except codec._Slow:
+            slow += 1
+            assert data.get("events"), sorted(data)
+    assert slow <= sum(1 for hb in beats if hb.get("events"))
 
 
 @pytest.mark.parametrize("data", GOOD)

@@ -1,7 +1,9 @@
 """CI smoke test of bench/collector_load.py: a real standalone collector
 (subprocess) fed by simulated nodes over HTTP names the frozen rank of a
-hang. Asserts the verdict, never a time (the table in the closing note
-comes from the full bench)."""
+hang. Relay mode starts cold and replays the messages recorded from a real
+job (bench/data/node_reports.json.gz). Asserts the verdict and that every
+rank was seen, never a time (the table in the closing note comes from the
+full bench)."""
 
 from __future__ import annotations
 
@@ -32,6 +34,9 @@ def test_a_hang_among_simulated_ranks_is_named_by_a_real_collector(mode):
     result = bench.bench_one(48, args)
     assert result["errors"] == 0, result["error_samples"]
     assert result["accepted_per_s"] > 0 and result["ranks_seen"] == 48
+    assert not result["generator_failures"], result["generator_failures"]
+    if mode == "relay":
+        assert result["messages"] == "recorded" and result["all_seen_s"] is not None
     assert result["hang_verdict_after_s"] is not None, "no hang verdict"
     assert result["hang_named"], f"named {result['hang_ranks']}, frozen {result['culprit']}"
     assert "hang" not in result["verdicts_before_hang"], "no false alarm before the freeze"

@@ -328,7 +328,8 @@ def run(argv: list[str]) -> int:
             from rankwatch.node.relay import Relay
 
             agent_token = secrets.token_urlsafe(32)
-            relay = Relay(remote.post, run_id, token=agent_token, interval=cfg.heartbeat_interval).start()
+            relay = Relay(remote.post, run_id, token=agent_token, interval=cfg.heartbeat_interval,
+                          world_size=_job_world_size(args), hang_timeout=cfg.hang_timeout).start()
             agents_url = relay.url
     else:
         from rankwatch.collector.embedded import InProcessClient, start_embedded
@@ -767,6 +768,21 @@ def _local_world_size(args: argparse.Namespace) -> int:
         return int(determine_local_world_size(args.nproc_per_node))
     except Exception:
         return 0
+
+
+def _job_world_size(args: argparse.Namespace) -> int:
+    """The job's world size as far as the launcher knows it: nodes (the
+    largest of an elastic range) times this node's workers, or WORLD_SIZE
+    when the environment gives it (a scheduler's launch); 0 if unknown."""
+    try:
+        env = int(os.environ.get("WORLD_SIZE", "0"))
+    except ValueError:
+        env = 0
+    try:
+        nodes = int(str(args.nnodes).split(":")[-1])
+    except (TypeError, ValueError):
+        nodes = 1
+    return max(env, nodes * _local_world_size(args))
 
 
 def _say(message: str) -> None:

@@ -16,6 +16,18 @@ progress is dated by the agents, so the hang deadline does not move with it.
 
 Urgent news (an exception, an exit, a non-finite value, a dead worker) is sent
 at once, not at the next interval.
+
+A job's relays all start at the same moment, so nothing they do may come in
+step (issue 29): the first cadence is the collector's rule for the job's
+world size (the launcher knows it), not 1 s; the first report leaves at a
+random offset within that interval; a failure, a timeout or a busy answer
+(429/503, whose `Retry-After` is a floor) backs off exponentially with
+jitter up to MAX_BACKOFF_S, reset by a success; and the report kept for the
+collector is bounded by bytes (MAX_PENDING_BYTES): past it the oldest
+records, marks, events and fingerprints of every rank are dropped, the
+newest state is kept, and what was dropped is counted (`rows_dropped`, and
+each rank's `steps_skipped`). So a relay's memory and upload stay bounded
+through any outage.
 """
 
 from __future__ import annotations
@@ -24,6 +36,7 @@ import collections
 import json
 import logging
 import math
+import random
 import threading
 import time
 from typing import Any, Callable, Optional
@@ -38,6 +51,10 @@ MAX_FINGERPRINTS_PER_RANK = 4
 URGENT_EVENTS = ("exception", "exit", "nonfinite", "oom")
 NORM_HISTORY = 16  # a rank's recent gradient norms, to tell an unusual one at a sampled cadence
 NORM_JUMP = 3.0  # a norm this many times the rank's recent median is forwarded whatever its step
+MAX_PENDING_BYTES = 2 * 1024 * 1024  # a node's kept report: 1/8 of the collector's node-report limit
+MAX_BACKOFF_S = 60.0  # the longest pause between tries (jittered): a 100k-rank job's 12,500 relays
+# return from an outage spread over up to a minute, not in one burst
+_TRIMMED_LISTS = ("step_rows", "steps", "marks", "events", "fingerprints")
 
 
 class StepSampler:
@@ -122,15 +139,68 @@ def merge_beats(old: Optional[dict[str, Any]], new: dict[str, Any]) -> dict[str,
     return merged
 
 
+def initial_interval(base: float, world_size: int, hang_timeout: Optional[float]) -> float:
+    """The cadence before the collector's first answer: the collector's own
+    rule for this world size (`node_report_interval`), so a cold start of a
+    big job is not a burst at the 1-s heartbeat cadence."""
+    from rankwatch.collector.service import node_report_interval
+
+    wanted = node_report_interval(world_size, hang_timeout or 20.0) if world_size > 0 else None
+    return max(base, wanted or 0.0)
+
+
+def trim_pending(pending: dict[int, dict[str, Any]], size: Callable[[], int], limit: int) -> int:
+    """Drop the oldest half of every rank's lists until ``size()`` fits in
+    ``limit`` (or nothing is left to drop); the beats' state fields stay.
+    Returns the number of items dropped; each rank's dropped step records
+    are added to its `steps_skipped`, which the collector counts."""
+    dropped = 0
+    while size() > limit:
+        dropped_now = 0
+        for beat in pending.values():
+            for key in _TRIMMED_LISTS:
+                items = beat.get(key)
+                if not items:
+                    continue
+                if key == "events":  # an exception, an exit, a non-finite value: never dropped
+                    urgent = [isinstance(e, dict) and e.get("kind") in URGENT_EVENTS for e in items]
+                    cut = (urgent.count(False) + 1) // 2
+                    seen, kept = 0, []
+                    for event, keep in zip(items, urgent):
+                        if not keep:
+                            seen += 1
+                            if seen <= cut:
+                                continue
+                        kept.append(event)
+                    beat[key] = kept
+                else:
+                    cut = (len(items) + 1) // 2
+                    beat[key] = items[cut:]
+                dropped_now += cut
+                if key in ("step_rows", "steps"):
+                    beat["steps_skipped"] = int(beat.get("steps_skipped") or 0) + cut
+        if not dropped_now:
+            break
+        dropped += dropped_now
+    return dropped
+
+
 class Relay:
     def __init__(self, upstream_post: Callable[..., Any], run_id: str, token: Optional[str] = None,
-                 interval: float = 1.0, host: str = "127.0.0.1", port: int = 0):
+                 interval: float = 1.0, host: str = "127.0.0.1", port: int = 0, world_size: int = 0,
+                 hang_timeout: Optional[float] = None, max_pending_bytes: int = MAX_PENDING_BYTES,
+                 rng: Optional[random.Random] = None):
         from rankwatch.collector.server import CollectorServer
 
         self.upstream_post = upstream_post  # (path, body, content type, timeout=) -> decoded JSON; raises on failure
         self.run_id = run_id
-        self.interval = interval
+        self.interval = initial_interval(interval, world_size, hang_timeout)
         self._base_interval = interval
+        self.max_pending_bytes = max_pending_bytes
+        self._rng = rng or random.Random()
+        self._retry_after: Optional[float] = None  # what a busy collector last asked for
+        self.rows_dropped = 0  # records, marks, events, fingerprints dropped to the byte bound
+        self.largest_upload = 0  # bytes of the largest report sent or tried
         self._lock = threading.Lock()
         self._pending: dict[int, dict[str, Any]] = {}  # rank -> merged heartbeat (raw JSON)
         self._node: Optional[dict[str, Any]] = None
@@ -207,10 +277,35 @@ class Relay:
         return {"commands": commands, "version": wire.WIRE_VERSION, "verdicts": verdicts}
 
     # -- to the collector ---------------------------------------------------------------------
+    def next_wait(self, first: bool = False) -> float:
+        """Seconds until the next report: a random offset within the interval
+        for the first (relays that start together spread over it), the
+        interval while the collector answers, and after failures an
+        exponential backoff with jitter (a busy collector's Retry-After, or
+        at least the interval, as its floor)."""
+        if first:
+            return self.interval * self._rng.random()
+        if not self._failures:
+            return self.interval
+        from rankwatch.agent.transport import backoff_delay
+
+        delay = backoff_delay(self._failures, self.interval, max(MAX_BACKOFF_S, self.interval), self._rng)
+        if self._retry_after is not None:
+            delay = max(delay, self._retry_after * (1.0 + 0.5 * self._rng.random()))
+        return delay
+
     def _loop(self) -> None:
+        first = True
         while not self._stop.is_set():
-            self._wake.wait(self.interval)
+            wait = self.next_wait(first)
+            if self._failures:
+                # Backing off: urgent news waits too (the collector is away or
+                # busy); it is in the kept report and leaves with the next try.
+                self._stop.wait(wait)
+            else:
+                self._wake.wait(wait)
             self._wake.clear()
+            first = False
             if self._stop.is_set():
                 return
             try:
@@ -226,9 +321,8 @@ class Relay:
                 dead = {w.get("rank") for w in (node or {}).get("workers") or [] if not w.get("alive", True)}
             if not pending and node is None:
                 return True
-            report = {"version": wire.WIRE_VERSION, "sent_at": time.time(), "node": node,
-                      "heartbeats": list(pending.values())}
-            body = wire.json_text(report, compact=True).encode()  # strict JSON
+            body = self._encode(node, pending)
+            self.largest_upload = max(self.largest_upload, len(body))
             try:
                 raw = self.upstream_post("/v1/node-report", body, "application/json", timeout=timeout)
             except Exception as exc:
@@ -236,17 +330,35 @@ class Relay:
                     for rank, beat in pending.items():
                         self._pending[rank] = merge_beats(beat, self._pending[rank]) if rank in self._pending \
                             else beat
+                    # The kept report stays within the byte bound however long the outage.
+                    self._encode(node, self._pending)
+                retry_after = getattr(exc, "retry_after", None)
+                self._retry_after = retry_after if isinstance(retry_after, (int, float)) else None
                 self._failures += 1
                 if not self._warned:
                     self._warned = True
                     log.warning("collector unreachable from the node relay (%s); keeping the node's data", exc)
                 return False
             self._failures = 0
+            self._retry_after = None
             self.reports_sent += 1
             with self._lock:
                 self._node_sent_dead |= dead
             self._take_reply(raw)
             return True
+
+    def _encode(self, node: Optional[dict[str, Any]], pending: dict[int, dict[str, Any]]) -> bytes:
+        """The node report, within the byte bound (the oldest rows dropped, counted)."""
+        def body() -> bytes:
+            report = {"version": wire.WIRE_VERSION, "sent_at": time.time(), "node": node,
+                      "heartbeats": list(pending.values())}
+            return wire.json_text(report, compact=True).encode()  # strict JSON
+
+        data = body()
+        if len(data) > self.max_pending_bytes:
+            self.rows_dropped += trim_pending(pending, lambda: len(body()), self.max_pending_bytes)
+            data = body()
+        return data
 
     def _take_reply(self, raw: Any) -> None:
         if not isinstance(raw, dict):
@@ -268,6 +380,8 @@ class Relay:
         interval = getattr(reply, "interval", None)
         if isinstance(interval, (int, float)) and 0.2 <= interval <= 60:
             self.interval = max(self._base_interval, float(interval))
+        else:  # the collector's word wins over the start-up guess: no cadence asked, the base one
+            self.interval = self._base_interval
         stride = getattr(reply, "step_stride", None)
         self.sampler.stride = stride if isinstance(stride, int) and stride >= 1 else 1
 

@@ -1,0 +1,127 @@
+"""What one node report costs the collector to take in, by part.
+
+    python bench/ingest_cost.py --ranks 10000 --reports 5000
+    py-spy record -o ingest.svg -- python bench/ingest_cost.py    # the profile
+
+Steady-state 8-rank node reports, replayed from the recording of a real job
+(bench/data/node_reports.json.gz, see bench/collector_load.py's `Recorded`)
+for a job of --ranks ranks, are handed to an in-process Collector exactly as
+the HTTP route does (`Routes.handle`: decode, then `ingest_node_report`),
+after one report per node has made every rank known. Each part is timed
+around the real function (the timers' own cost, ~1 us a call, is in the
+figures): decoding (JSON + typed checks), expanding step rows, the node view,
+each rank's heartbeat (state, records, marks, events, fingerprints), the
+index writes queued, the metrics. Printed: microseconds per report, per part
+and in all, and the tick's cost at this size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib.util
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("collector_load", HERE / "collector_load.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["collector_load"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, default=10_000)
+    parser.add_argument("--reports", type=int, default=4_000, help="steady reports timed")
+    parser.add_argument("--no-parts", action="store_true", help="no per-part timers (the total alone, for py-spy)")
+    args = parser.parse_args(argv)
+
+    bench = _load_bench()
+    from rankwatch.collector import codec, service
+    from rankwatch.collector.server import MAX_NODE_REPORT_BYTES, Routes
+    from rankwatch.collector.service import Collector
+    from rankwatch.config import Config
+
+    collector = Collector(Config(hang_timeout=30.0), data_dir=Path(tempfile.mkdtemp(prefix="rankwatch-ingest-")))
+    routes = Routes(collector, None)
+    recorded = bench.Recorded()
+    job = bench.Job(args.ranks, 1.0, first_step=0, culprit=-1)
+    job.started = time.time() - 100  # the job is 100 steps in
+    nodes = args.ranks // bench.RANKS_PER_NODE
+    interval = service.node_report_interval(args.ranks, 30.0) or 1.0
+    stride = service.record_stride(args.ranks, 1.0) or 1
+
+    def body(node: int, since, step: int) -> bytes:
+        view, ranks = bench.node_prefix(job, node)
+        beats = b",".join(b'{"version":1,"identity":' + job.identity[r]
+                          + recorded.tail(r % bench.RANKS_PER_NODE, since, step, job, False, stride) for r in ranks)
+        return b'{"version":1,"sent_at":%.3f,"node":' % time.time() + view + b',"heartbeats":[' + beats + b"]}"
+
+    # Every rank known (one report per node), as after a cold start.
+    step = 100
+    for node in range(nodes):
+        routes.handle("POST", "/v1/node-report", body(node, None, step), lambda k: None)
+    collector.tick(time.time())
+
+    totals: dict[str, float] = collections.defaultdict(float)
+    calls: dict[str, int] = collections.defaultdict(int)
+
+    def timed(owner, name: str, label: str) -> None:
+        original = getattr(owner, name)
+
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return original(*a, **k)
+            finally:
+                totals[label] += time.perf_counter() - t0
+                calls[label] += 1
+
+        setattr(owner, name, wrapper)
+
+    if not args.no_parts:
+        timed(codec, "loads_node_report", "decode (JSON + typed checks)")
+        timed(service, "_expand_step_rows", "step rows -> records")
+        timed(collector, "ingest_node", "node view")
+        timed(collector, "ingest_heartbeat", "heartbeats (all of a rank's ingest)")
+        timed(collector.store, "save_heartbeat_data", "  of which: index queue (records)")
+        timed(collector.store, "save_rank", "  of which: index queue (rank)")
+        if collector.metrics is not None:
+            timed(collector.metrics, "observe_heartbeat", "  of which: metrics")
+
+    # Steady reports: each node reports the steps since its last one (the cadence's worth).
+    per_report = int(interval)
+    bodies = []
+    for i in range(args.reports):
+        node = i % nodes
+        last = step + per_report * (i // nodes)
+        bodies.append(body(node, last, last + per_report))
+    sizes = sorted(len(b) for b in bodies)
+    started = time.perf_counter()
+    for raw in bodies:
+        status = routes.handle("POST", "/v1/node-report", raw, lambda k: None)[0]
+        assert status == 200, status
+    total = time.perf_counter() - started
+    tick_started = time.perf_counter()
+    collector.tick(time.time())
+    tick = time.perf_counter() - tick_started
+    n = len(bodies)
+    print(f"{args.ranks} ranks, {n} steady 8-rank node reports (median {sizes[len(sizes) // 2]} bytes, "
+          f"cadence {interval:g} s, stride {stride}): {1e6 * total / n:.0f} us per report in all "
+          f"(Routes.handle, parts timed: {not args.no_parts})")
+    for label, seconds in totals.items():
+        print(f"  {label:40s} {1e6 * seconds / n:8.1f} us per report ({calls[label] / n:.0f} calls)")
+    print(f"tick after them: {1000 * tick:.0f} ms")
+    collector.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

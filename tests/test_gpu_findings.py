@@ -1,0 +1,136 @@
+"""Issue 25's findings that one process shows: the agent attached in this
+test process (a gloo world of size 1, DDP), the GPU-like double installed so
+the device path runs (events, deferred copies; ``latency_s=0``: every read
+is in at the step's end). Each test asserts what the job's records and
+events show a user. Cheap: about a second each.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from rankwatch import config as config_mod
+from rankwatch import wire
+from rankwatch.agent import device as device_mod
+from rankwatch.agent import safety
+from rankwatch.agent.runtime import Agent
+
+
+@pytest.fixture
+def agent_on_double(world):
+    made = []
+
+    def make(**config):
+        safety._disabled.clear()
+        double = device_mod.GpuLikeDouble(device=1, current=0, latency_s=0.0)
+        device_mod.install(double)
+        agent = Agent(config_mod.Config(**config),
+                      wire.RankIdentity(run_id="findings", rank=0, local_rank=0, world_size=1, node_rank=0,
+                                        host="localhost", pid=os.getpid(), attempt=0), None)
+        agent.install()
+        made.append(agent)
+        return agent, double
+
+    yield make
+    for agent in made:
+        agent.uninstall()
+    device_mod.install(None)
+    safety._disabled.clear()
+
+
+def _model(dtype=torch.float32):
+    torch.manual_seed(0)
+    return DDP(torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(),
+                                   torch.nn.Linear(32, 1)).to(dtype))
+
+
+def _nonfinite(agent):
+    return [e for e in agent.events_log if e.kind == "nonfinite"]
+
+
+# -- finding 7 -----------------------------------------------------------------------------
+
+
+def test_a_backward_that_raises_does_not_stop_the_gradient_checks(agent_on_double):
+    """A batch-size finder: at step 3 the first backward raises half-way
+    (an OOM, caught), and the step is retried. Autograd never runs the end
+    callback of a backward that raised; the checks must go on: a NaN in
+    rank 0's gradient of `4.weight` at step 8 is named at step 8."""
+    agent, _ = agent_on_double()
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    state = {"raise": False, "poison": False}
+
+    def maybe_raise(grad):
+        if state["raise"]:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
+        return grad
+
+    def maybe_poison(grad):
+        return grad * float("nan") if state["poison"] else grad
+
+    model.module[4].weight.register_hook(maybe_poison)
+    for step in range(12):
+        opt.zero_grad()
+        if step == 3:
+            state["raise"] = True
+            try:
+                hidden = model.module[0](torch.randn(64, 8))
+                hidden.register_hook(maybe_raise)  # reached after the later layers' gradients
+                model.module[4](model.module[3](model.module[2](model.module[1](hidden)))).pow(2).mean().backward()
+            except torch.cuda.OutOfMemoryError:
+                opt.zero_grad()
+            state["raise"] = False
+        state["poison"] = step == 8
+        model(torch.randn(16, 8)).pow(2).mean().backward()
+        opt.step()
+    agent.progress.finish()
+    records = {r.step: r for r in agent.progress.recent}
+    checked = [s for s, r in records.items() if r.nonfinite_grads is not None]  # a full check or the probe
+    assert checked == list(range(12)), [(s, r.grad_norm, r.nonfinite_grads) for s, r in records.items()]
+    found = _nonfinite(agent)
+    assert found and (found[0].step, found[0].details["parameters"]) == (8, ["4.weight"]), found
+
+
+def test_float64_gradients_are_checked_and_timed(agent_on_double):
+    """float64 gradients made `vector_norm(dtype=float32)` raise: the guard
+    turned the whole gradient hook off (norms and, with it, step timing)."""
+    agent, _ = agent_on_double()
+    model = _model(torch.float64)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for step in range(6):
+        opt.zero_grad()
+        model(torch.randn(16, 8, dtype=torch.float64)).pow(2).mean().backward()
+        opt.step()
+    agent.progress.finish()
+    assert not safety._disabled, safety._disabled
+    records = list(agent.progress.recent)
+    assert len(records) == 6
+    assert all(r.nonfinite_grads == 0 for r in records), [r.nonfinite_grads for r in records]
+    assert any(r.grad_norm is not None and r.grad_norm > 0 for r in records), [r.grad_norm for r in records]
+    assert all(r.compute_s is not None for r in records[1:]), [r.compute_s for r in records]
+
+
+# -- finding 6 -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", [{"grad_checks": False}, {"silent_checks": False, "grad_checks": False}],
+                         ids=["grad_checks_off", "all_checks_off"])
+def test_step_timing_stands_without_the_gradient_checker(agent_on_double, config):
+    """`compute_s` (the straggler check's input) was only set by the
+    gradient checker's end-of-backward: without it, no straggler check."""
+    agent, _ = agent_on_double(**config)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for step in range(6):
+        opt.zero_grad()
+        model(torch.randn(16, 8)).pow(2).mean().backward()
+        opt.step()
+    agent.progress.finish()
+    records = list(agent.progress.recent)
+    assert len(records) == 6
+    assert all(r.compute_s is not None for r in records[1:]), [r.compute_s for r in records]

@@ -1,0 +1,158 @@
+"""A job's relays start together; nothing they do may come in step
+(issue 29, item 1): the first cadence is the collector's for the job's size,
+the first report leaves at a random offset, failures back off exponentially
+with jitter (a busy collector's Retry-After as a floor), and the report kept
+through an outage is bounded by bytes, the newest state kept and what was
+dropped counted. Unit-level (no job): about a second in all."""
+
+from __future__ import annotations
+
+import json
+import random
+
+from rankwatch import wire
+from rankwatch.agent.transport import CollectorUnreachable, Transport
+from rankwatch.node.relay import Relay
+
+COLUMNS = list(wire.STEP_COLUMNS)
+
+
+def _row(step: int) -> list:
+    return [step, 1000.0 + step, 1001.0 + step, 1, 0.8, 0.01, 2.0, 1.5, 0, 1, 1 << 30, None, None, None, None, None,
+            None]
+
+
+def _beat(rank: int, first: int, count: int, events: tuple = ()) -> bytes:
+    rows = [_row(s) for s in range(first, first + count)]
+    beat = {"version": 1, "identity": {"run_id": "big", "rank": rank, "local_rank": rank % 8, "world_size": 100_000},
+            "sent_at": 1000.0, "seq": first,
+            "step": first + count - 1, "step_columns": COLUMNS, "step_rows": rows,
+            "marks": [{"step": s, "seqs": {"0": 3 * s}} for s in range(first, first + count)],
+            "events": [{"kind": k, "at": 1000.0, "step": first, "details": {}} for k in events]}
+    return json.dumps(beat).encode()
+
+
+class _Upstream:
+    """The collector as the relay sees it: away (raises), busy (503 with
+    Retry-After) or answering; every body it was handed is kept."""
+
+    def __init__(self) -> None:
+        self.mode = "down"
+        self.bodies: list[bytes] = []
+
+    def __call__(self, path, body, content_type, timeout=5.0, headers=None):
+        self.bodies.append(body)
+        if self.mode == "down":
+            raise CollectorUnreachable("connection refused")
+        if self.mode == "busy":
+            raise CollectorUnreachable("HTTP 503: behind", status=503, retry_after=30.0)
+        return {"commands": [], "version": wire.WIRE_VERSION, "interval": 2.0}  # a collector at 8,000 ranks
+
+
+def _relay(upstream, **kwargs) -> Relay:
+    relay = Relay(upstream, "big", **kwargs)
+    relay.server.httpd.server_close()  # never started: its endpoints are called directly
+    return relay
+
+
+def test_a_big_jobs_relay_starts_at_the_collectors_cadence_for_its_size():
+    assert _relay(_Upstream(), world_size=100_000).interval == 10.0  # not the 1-s heartbeat cadence
+    assert _relay(_Upstream(), world_size=8_000).interval == 2.0
+    assert _relay(_Upstream(), world_size=100_000, hang_timeout=6.0).interval == 3.0  # half the hang timeout
+    assert _relay(_Upstream(), world_size=16).interval == 1.0
+    assert _relay(_Upstream()).interval == 1.0  # size unknown: the heartbeat cadence
+    guessed = _relay(_Upstream(), world_size=100_000)
+    guessed._take_reply({"commands": [], "version": wire.WIRE_VERSION})  # the collector asks for none
+    assert guessed.interval == 1.0
+
+
+def test_relays_started_together_send_their_first_reports_spread_over_the_interval():
+    firsts = [_relay(_Upstream(), world_size=100_000, rng=random.Random(seed)).next_wait(first=True)
+              for seed in range(40)]
+    assert all(0.0 <= f < 10.0 for f in firsts)
+    assert min(firsts) < 2.0 and max(firsts) > 8.0  # spread over the interval, not one instant
+    assert len({round(f, 3) for f in firsts}) == len(firsts)
+
+
+def test_failures_back_off_exponentially_with_jitter_and_a_success_resets():
+    upstream = _Upstream()
+    relay = _relay(upstream, world_size=8_000, rng=random.Random(1))  # interval 2 s
+    assert relay.heartbeat(_beat(0, 100, 4))[0] == 200
+    waits = []
+    for _ in range(8):
+        assert relay.flush() is False
+        waits.append(relay.next_wait())
+    for failures, wait in enumerate(waits, start=1):
+        ceiling = min(60.0, 2.0 * 2 ** (failures - 1))
+        assert 0.5 * ceiling <= wait <= ceiling, (failures, wait)
+    assert waits[-1] >= 30.0  # capped at a minute, jittered
+    # Two relays failing together do not retry together.
+    other = _relay(_Upstream(), world_size=8_000, rng=random.Random(2))
+    other.heartbeat(_beat(0, 100, 4))
+    other.flush()
+    other.flush()
+    other_wait = other.next_wait()
+    relay_two = _relay(_Upstream(), world_size=8_000, rng=random.Random(3))
+    relay_two.heartbeat(_beat(0, 100, 4))
+    relay_two.flush()
+    relay_two.flush()
+    assert other_wait != relay_two.next_wait()
+    # A busy collector's Retry-After is a floor.
+    upstream.mode = "busy"
+    assert relay.flush() is False
+    assert relay.next_wait() >= 30.0
+    # It answers again: the cadence is back, and the kept data went with the report.
+    upstream.mode = "up"
+    assert relay.flush() is True
+    assert relay.next_wait() == 2.0
+    sent = json.loads(upstream.bodies[-1])
+    assert [r[0] for r in sent["heartbeats"][0]["step_rows"]] == [100, 101, 102, 103]
+
+
+def test_the_report_kept_through_an_outage_is_bounded_by_bytes_newest_state_kept():
+    """An 8-rank node through a long outage: every try's upload and the kept
+    report stay within the bound; the newest steps and state are kept, the
+    oldest records dropped and counted; an exception is never dropped."""
+    bound = 64 * 1024
+    upstream = _Upstream()
+    relay = _relay(upstream, world_size=100_000, max_pending_bytes=bound)
+    step = 0
+    for attempt in range(30):
+        for rank in range(8):
+            status, _ = relay.heartbeat(_beat(rank, step, 16, events=("exception",) if attempt == 0 and rank == 3 else ()))
+            assert status == 200
+        step += 16
+        assert relay.flush() is False
+        kept = relay._encode(relay._node, relay._pending)
+        assert len(kept) <= bound, len(kept)
+    assert max(len(b) for b in upstream.bodies) <= bound
+    assert relay.rows_dropped > 0
+    upstream.mode = "up"
+    assert relay.flush() is True
+    report = wire.decode(wire.NodeReport, json.loads(upstream.bodies[-1]))
+    assert len(upstream.bodies[-1]) <= bound
+    beats = {hb.identity.rank: hb for hb in report.heartbeats}
+    assert sorted(beats) == list(range(8))
+    for hb in beats.values():
+        rows = hb.step_rows
+        assert hb.step == step - 1  # the newest state
+        assert rows[-1][0] == step - 1 and rows[0][0] > 0  # the newest records, the oldest dropped ...
+        assert hb.steps_skipped == step - len(rows)  # ... and counted
+    assert [e.kind for e in beats[3].events] == ["exception"]
+
+
+def test_the_agents_own_backoff_is_jittered_and_takes_retry_after(monkeypatch):
+    """Agents that beat to a collector directly (the embedded one) back off
+    the same way: jittered, a Retry-After as a floor."""
+    import time
+
+    transport = Transport("http://127.0.0.1:9", token=None)
+    delays = []
+    for _ in range(20):
+        transport._failures = 0
+        before = time.monotonic()
+        transport._failed("down")
+        delays.append(transport._next_try - before)
+    assert all(0.5 <= d <= 1.01 for d in delays) and len({round(d, 4) for d in delays}) > 1
+    transport._failed("busy", retry_after=20.0)
+    assert transport._next_try - time.monotonic() >= 19.9
