@@ -405,7 +405,7 @@ class Agent:
     @guarded("agent.ddp")
     def on_ddp_created(self, ddp) -> None:
         self.ddp_modules.append(ddp)
-        ddp.register_forward_pre_hook(self.progress.on_forward)
+        ddp.register_forward_pre_hook(self.progress.forward_pre_hook)
         if self.models is not None:
             self.models.on_ddp(ddp)
         self.progress.set_phase("setup")

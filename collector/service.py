@@ -70,6 +70,7 @@ class _RunRuntime:
     # Every verdict announced live, latest figures: never retracted from the report.
     announced: dict[tuple[str, str], wire.Verdict] = field(default_factory=dict)
     failed: set = field(default_factory=set)  # what already failed for this run (logged once)
+    dead_announced: bool = False  # the dead-run line was said (once per run)
 
 
 class Collector:
@@ -582,6 +583,26 @@ class Collector:
                 rt.agent_commands.setdefault(rank, []).append(wire.Command(
                     kind="action", reason="nonfinite", details={"action": "detect_anomaly"}))
 
+    def _dead_run(self, run: RunState, v: wire.Verdict, now: float) -> None:
+        """A dead run (analyses/nonfinite.py): one loud line as it happens,
+        and with ``on_dead_run: abort`` the job ends (bundles first)."""
+        action = self.config.on_dead_run
+        if action == "ignore":
+            return
+        dead = v.evidence["dead_run"]
+        ending = action == "abort" and not run.finished
+        log.warning("%s", (f"run {run.run_id}: TRAINING IS DEAD: the loss has been non-finite on every rank since step "
+                           f"{dead['since_step']}; the weights are non-finite and every further step is wasted. "
+                           + ("Ending the job (on_dead_run: abort)." if ending else
+                              "The job goes on (on_dead_run: abort would end it)."))[:400])
+        if not ending:
+            return
+        live = self._live_ranks(run)
+        incident = Incident(id=f"dead_run-{len(run.incidents) + 1}", kind="nonfinite", opened_at=now,
+                            last_progress_at=run.last_progress_seen_at, requested_ranks=live,
+                            deadline=now + self._evidence_window(run), details={"abort": True, "dead_run": True})
+        self._open_incident(run, incident, "dead_run")
+
     def _close_incidents(self, run: RunState, now: float) -> None:
         """An incident is diagnosed once its evidence is in or its window
         closed; a big job's hang as soon as the heartbeats' numbers name the
@@ -623,7 +644,9 @@ class Collector:
                 del incident.details["abort_pending"]
                 incident.details["evidence_from"] = sorted(have)
                 self.store.save_incident(run.run_id, incident)
-                run.aborted = f"rankwatch aborted the job after diagnosing incident {incident.id}"
+                run.aborted = (f"rankwatch ended the dead run (incident {incident.id}: the loss non-finite on every "
+                               f"rank, on_dead_run: abort)" if incident.details.get("dead_run") else
+                               f"rankwatch aborted the job after diagnosing incident {incident.id}")
                 self._runtime(run.run_id).abort_sent = True
 
     def _stall_ended(self, run: RunState, incident: Incident) -> bool:
@@ -697,6 +720,9 @@ class Collector:
                     self._act_on(run, v, now)
             v.detected_at = rt.first_detected[key]
             rt.announced[key] = v
+            if v.kind == "nonfinite" and "dead_run" in v.evidence and not rt.dead_announced:
+                rt.dead_announced = True
+                self._dead_run(run, v, now)
             self.store.save_verdict(run.run_id, v)
         ended = {i.id for i in run.incidents if i.kind == "hang" and "ended_at" in i.details}
         if ended:  # a stall that ended by itself is a note, not a verdict (announced or not)

@@ -83,6 +83,11 @@ class Config:
     on_config_divergence: str = "report"
     on_duplicate_data: str = "report"
     on_broken_update: str = "report"
+    # A dead run (every rank's loss non-finite at 3 optimizer steps in a row:
+    # the weights are non-finite, nothing recovers): "report" says it in one
+    # loud live line and the nonfinite verdict's evidence; "abort" ends the job
+    # (bundles first); "ignore" says nothing more than the nonfinite verdict.
+    on_dead_run: str = "report"
     # On a nonfinite verdict, turn on autograd anomaly detection on the origin
     # rank(s) only, so the next occurrence names the operation. Off by default:
     # anomaly mode makes backward raise on the next NaN, which changes the

@@ -70,21 +70,100 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def make_run_id(args: argparse.Namespace) -> str:
+    """The run's id: the one place it is derived (contract, 2026-11-25: a
+    rerun or requeue under the same rendezvous id is a new run, never one
+    that inherits an earlier run's verdicts).
+
+    - ``RANKWATCH_RUN_ID``: the deployment chose it (Kubernetes adds the
+      job's UID, which is new per job);
+    - a rendezvous id: ``<rdzv-id>-<launch nonce>``, the nonce agreed by every
+      node of this launch through torch's rendezvous store (launch_nonce);
+    - under srun: ``slurm-<job>.<step>[.r<requeue>]`` (rankwatch/slurm.py);
+      Slurm never reuses a job id, so every launch is new by itself;
+    - a rendezvous id: ``<rdzv-id>-<launch nonce>``, the nonce agreed by every
+      node of this launch through torch's rendezvous store (launch_nonce);
+    - one node without one: a fresh id per launch.
+
+    Elastic restarts within a launch keep the id (the launcher and its store
+    live on); they are attempts (TORCHELASTIC_RESTART_COUNT in each rank's
+    identity)."""
     env_id = os.environ.get("RANKWATCH_RUN_ID")
     if env_id:
         return _safe(env_id)  # the collector accepts run ids of the wire pattern only (SECURITY.md)
-    if args.rdzv_id and args.rdzv_id != "none":
-        return _safe(args.rdzv_id)
     task = _slurm_task()
     if task is not None and task.in_step:
-        # Under srun every node agrees on the job and step ids; a requeue is a
-        # new attempt of the same run (SLURM_RESTART_COUNT in the id).
+        # Under srun every node agrees on the job and step ids, which Slurm never
+        # reuses, so no nonce is needed; a requeue is a new attempt of the same
+        # run (SLURM_RESTART_COUNT in the id).
         return _safe(slurm.run_id(task))
-    if not args.standalone and str(args.nnodes) not in ("1", "1:1"):
+    multi_node = not args.standalone and str(args.nnodes) not in ("1", "1:1")
+    if args.rdzv_id and args.rdzv_id != "none":
+        return _safe(f"{args.rdzv_id[:100]}-{launch_nonce(args)}")
+    if multi_node:
         # Every node of a multi-node job must agree on the id: derive it from the rendezvous.
         endpoint = args.rdzv_endpoint or f"{args.master_addr}:{args.master_port}"
-        return "job-" + hashlib.sha1(endpoint.encode()).hexdigest()[:12]
+        return "job-" + hashlib.sha1(endpoint.encode()).hexdigest()[:12] + "-" + launch_nonce(args)
     return time.strftime("run-%Y%m%d-%H%M%S-") + secrets.token_hex(3)
+
+
+NONCE_KEY = "rankwatch.launch_nonce"
+# The launcher's handle on the rendezvous store: kept for the whole launch so
+# that torch's own rendezvous shares the same store server (multi_tenant) and a
+# node joining late (elastic scale-up) still reads this launch's nonce.
+_launch_stores: list[Any] = []
+
+
+def launch_nonce(args: argparse.Namespace) -> str:
+    """A nonce every node of this launch agrees on, and a later launch does
+    not see: the first node to ask sets it in the rendezvous's TCP store
+    (c10d backend: hosted by the launcher on the endpoint's machine, for as
+    long as that launch lives). Other backends (static, etcd) have no such
+    store here: each launch of a single node draws its own; a multi-node
+    launch of those keeps the rendezvous-derived id without a nonce ("-0"),
+    as before (see ARCHITECTURE.md, "Run identity")."""
+    single_node = args.standalone or str(args.nnodes) in ("1", "1:1")
+    if args.rdzv_backend != "c10d" or not args.rdzv_endpoint:
+        return secrets.token_hex(4) if single_node else "0"
+    candidate = secrets.token_hex(4)
+    try:
+        store = _rendezvous_store(args)
+        key = f"{NONCE_KEY}.{args.rdzv_id}"
+        agreed = store.compare_set(key, "", candidate)
+        _launch_stores.append(store)
+        return bytes(agreed).decode("ascii", "replace")[:16] or candidate
+    except Exception as exc:
+        _say(f"the launch nonce could not be agreed through the rendezvous store at {args.rdzv_endpoint} "
+             f"({type(exc).__name__}: {str(exc)[:200]}); this node uses its own run id")
+        return candidate
+
+
+def _rendezvous_store(args: argparse.Namespace) -> Any:
+    """The c10d rendezvous's TCP store, opened exactly as torch's c10d
+    backend opens it (torch.distributed.elastic.rendezvous.
+    c10d_rendezvous_backend._create_tcp_store): hosted here when the
+    endpoint names this machine, multi_tenant so that torch's rendezvous
+    later in this process shares it."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname, parse_rendezvous_endpoint
+
+    host, port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)
+    configs = dict(item.split("=", 1) for item in (args.rdzv_conf or "").split(",") if "=" in item)
+    is_host_conf = configs.get("is_host")
+    is_host = (is_host_conf.strip().lower() in ("1", "true", "yes", "y") if is_host_conf is not None
+               else _matches_machine_hostname(host))
+    # A node that is not the host waits for it as long as torch's rendezvous would (join_timeout).
+    wait_s = float(configs.get("join_timeout", 600))
+    for as_server in ([True, False] if is_host else [False]):
+        try:
+            return TCPStore(host, port, is_master=as_server, multi_tenant=True,
+                            timeout=timedelta(seconds=wait_s if not as_server else 60))
+        except (ValueError, RuntimeError, TimeoutError):
+            # Like torch: another process on this machine may host it (two launchers on one host).
+            if not as_server or is_host_conf is not None:
+                raise
+    raise RuntimeError("unreachable")
 
 
 def _safe(text: str) -> str:
@@ -448,6 +527,10 @@ def run(argv: list[str]) -> int:
         exit_code = 1
         for rank, failure in exc.failures.items():
             exits[int(rank)] = (int(failure.exitcode), float(failure.timestamp))
+        if supervisor.aborted:
+            # torchrun has just logged "failed (exitcode: -15)" and its error summary: say whose doing it was.
+            _say(f"the failures above (exitcode -15: SIGTERM, -9: SIGKILL) are rankwatch ending the job: "
+                 f"{supervisor.abort_reason or 'a verdict whose action is abort'}; the verdict is below")
     except SignalException as exc:
         interrupted = True
         exit_code = 128 + int(exc.sigval)
@@ -731,7 +814,7 @@ def _node_state(run_id: str, run_dir: Path) -> Any:
 def _announce_page(run_id: str, collector_url: str, embedded: Any, server: Any, remote: Any,
                    make_known: Optional[Callable[[], None]] = None) -> None:
     """Print a one-time link to the run's live page (the token never goes in
-    a URL); the embedded collector prints a fresh one with each verdict.
+    a URL), once; a fresh one on demand (SIGUSR1, see _link_on_demand).
 
     A link is a credential for its 10 minutes: it is printed where only this
     machine can use it (a collector on loopback) or to a person (a terminal),
@@ -758,9 +841,10 @@ def _announce_page(run_id: str, collector_url: str, embedded: Any, server: Any, 
                 code, ttl = sessions.mint(f"/runs/{run_id}")
                 return f"{collector_url}/login/{code} (one-time link, valid {int(ttl // 60)} min)"
 
-            _say(f"page: {link()}")
-            if embedded is not None:
-                embedded.on_verdict.append(lambda rid, verdict: rid == run_id and _say(f"page: {link()}"))
+            # Once: a link in every verdict flooded job logs. A fresh one on demand (a link
+            # opens once and lasts 10 min) with SIGUSR1, which torchrun leaves alone.
+            on_demand = _link_on_demand(lambda: _say(f"page: {link()}"))
+            _say(f"page: {link()}" + (f" (a fresh link: kill -USR1 {os.getpid()})" if on_demand else ""))
             return
         answer = remote.post("/v1/login-links", json.dumps({"run_id": run_id}).encode(), "application/json",
                              timeout=5)
@@ -771,6 +855,28 @@ def _announce_page(run_id: str, collector_url: str, embedded: Any, server: Any, 
             _say(f"page: {collector_url.rstrip('/')}{answer['path']} (one-time link, valid {minutes} min)")
     except Exception:
         pass  # an older collector without pages: the run goes on, report.html is written at the end
+
+
+def _link_on_demand(say_link: Callable[[], None]) -> bool:
+    """SIGUSR1 to this launcher prints a fresh one-time link. Only from the
+    main thread (Python's rule for signal handlers); False when not set."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGUSR1"):
+        return False
+    try:
+        current = signal.getsignal(signal.SIGUSR1)
+        if current not in (signal.SIG_DFL, None) and not getattr(current, "rankwatch_link", False):
+            return False  # the user's own handler stays
+
+        def handler(signum, frame) -> None:
+            say_link()
+
+        handler.rankwatch_link = True  # type: ignore[attr-defined]  # ours: replaced by a later launch in-process
+        signal.signal(signal.SIGUSR1, handler)
+    except (ValueError, OSError):
+        return False
+    return True
 
 
 def _upload_spool(run_dir: Path, remote: Any) -> None:
