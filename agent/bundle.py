@@ -93,17 +93,24 @@ def build(agent: "Agent", reason: str, incident: str, exception: Optional[dict] 
     fr_dump, fr_error = agent.collectives.full_dump()
     if fr_error:
         manifest.notes.append(fr_error)
+    # The deques and dicts below belong to the training thread, which keeps
+    # appending while this (another) thread builds the bundle: each is read
+    # once, as a snapshot (tuple() and dict() of a deque or dict are single
+    # C calls under the GIL), and only the snapshot is iterated in Python.
+    steps = tuple(progress.recent)
+    marks = tuple(progress.marks)
+    calls = [dict(call) for call in tuple(agent.collectives.calls)]
     members: dict[str, Any] = {
         "stacks.json": python_stacks(),
         "collectives.json": {
-            "python_calls": list(agent.collectives.calls),
+            "python_calls": calls,
             "pg_status": agent.collectives.pg_status(),
             "flight_recorder": fr_dump is not None,
         },
         "flight_recorder.json": fr_dump,
         "metrics.json": {
-            "steps": [wire.to_dict(s) for s in progress.recent],
-            "marks": [wire.to_dict(m) for m in progress.marks],
+            "steps": [wire.to_dict(s) for s in steps],
+            "marks": [wire.to_dict(m) for m in marks],
             "progress": {
                 "step": progress.step,
                 "forwards": progress.forwards,

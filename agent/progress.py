@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import math
+import sys
 import threading
 import time
 import weakref
@@ -170,11 +171,36 @@ class Progress:
         self._record()
 
     # -- hooks (training thread) --------------------------------------------
+    def forward_pre_hook(self, module, inputs) -> None:
+        """The DDP module's forward pre-hook. Under ``torch.compile`` of the
+        model Dynamo traces it into the user's compiled region: the first
+        thing it asks is whether it is tracing, and then it only marks the
+        forward (a store Dynamo replays after the compiled code: no graph
+        break, no guard on a value, see CompiledSteps). The next eager hook
+        counts the forward; nothing of the recording (clocks, events) is ever
+        traced."""
+        if _compiling():
+            self.compiled_steps.forward = True
+            return None
+        self.on_forward(module, inputs)
+        return None
+
     @guarded("progress.forward")
     def on_forward(self, module, inputs) -> None:
-        if self.compiled_steps.pending:
+        compiled = self.compiled_steps
+        if compiled.pending:
             self._compiled_step_seen()
-        now = time.time()
+        if compiled.forward:
+            self._compiled_forward_seen()
+        self._forward_at(time.time(), module)
+
+    def _compiled_forward_seen(self) -> None:
+        """A forward ran inside a compiled region (forward_pre_hook): it is
+        counted when seen, on the device of the last model seen."""
+        self.compiled_steps.forward = False
+        self._forward_at(time.time(), None)
+
+    def _forward_at(self, now: float, module: Any) -> None:
         self.forwards += 1
         self._forwards_in_step += 1
         self._forward_since_backward = True
@@ -184,7 +210,10 @@ class Progress:
                 # The first step starts at its first forward, not at process start
                 # (imports, process group and model set-up are not step time).
                 self._step_started_at = now
-            self._start_event = self._device_event(module)
+            if module is not None:
+                self._start_event = self._device_event(module)
+            elif self.device is not None:
+                self._start_event = self._event_on(self.device)
         self.phase = "forward"
         self.phase_since = now
         self.last_progress_at = now
@@ -194,6 +223,8 @@ class Progress:
     def on_backward(self, loss) -> None:
         if self.compiled_steps.pending:
             self._compiled_step_seen()
+        if self.compiled_steps.forward:
+            self._compiled_forward_seen()
         now = time.time()
         if self._backward_started_at is None:
             self._backward_started_at = now
@@ -322,6 +353,8 @@ class Progress:
 
     @guarded("progress.optimizer")
     def on_optimizer_pre(self, optimizer, args, kwargs) -> None:
+        if self.compiled_steps.forward:
+            self._compiled_forward_seen()
         now = time.time()
         self.phase = "optimizer"
         self.phase_since = now
@@ -556,6 +589,8 @@ class Progress:
         """At exit (the training is over): the last steps' device values get
         ``grace_s`` to come in (a GPU's queue drains in milliseconds); what
         has not come by then is not waited for."""
+        if self.compiled_steps.forward:
+            self._compiled_forward_seen()
         if self.compiled_steps.pending:
             self._compiled_step_seen()
         deadline = time.monotonic() + grace_s
@@ -620,6 +655,18 @@ class CompiledSteps:
     which then counts as the finished step's)."""
 
     pending = False
+    forward = False  # a forward of a watched model ran in a compiled region (Progress.forward_pre_hook)
+
+
+def _compiling() -> bool:
+    if "torch._dynamo" not in sys.modules:
+        return False  # nothing compiles without dynamo loaded (and asking would load it)
+    try:
+        import torch
+
+        return bool(torch.compiler.is_compiling())
+    except Exception:
+        return False
 
 
 def _thin(items: list, key: Callable[[Any], int], limit: int) -> list:

@@ -405,7 +405,7 @@ class Agent:
     @guarded("agent.ddp")
     def on_ddp_created(self, ddp) -> None:
         self.ddp_modules.append(ddp)
-        ddp.register_forward_pre_hook(self.progress.on_forward)
+        ddp.register_forward_pre_hook(self.progress.forward_pre_hook)
         if self.models is not None:
             self.models.on_ddp(ddp)
         self.progress.set_phase("setup")
@@ -657,7 +657,21 @@ class Agent:
             body["collectives_completed"] = completed
         if host_memory and (full or _memory_moved(beats.host_memory, host_memory)):
             body["host_memory"] = host_memory
+        if body["sent_at"] - progress.last_progress_at >= self.QUIET_BEFORE_ACTIVITY_S:
+            activity = self._activity()
+            if activity is not None:
+                body["busy_cpu_s"], body["io_bytes"], body["wakeups"] = round(activity[0], 6), activity[1], activity[2]
         return _Beat(body, steps, marks, events, fingerprints, enqueued, completed, host_memory, full)
+
+    # A rank this long without progress reports what its process does
+    # (agent/activity.py): the collector tells work from a stuck rank by it.
+    QUIET_BEFORE_ACTIVITY_S = 2.0
+
+    @guarded("agent.activity", default=None)
+    def _activity(self) -> Optional[tuple[float, int, int]]:
+        from . import activity
+
+        return activity.sample()
 
     def _host_memory(self) -> dict[str, int]:
         from .memory import host_memory, rss_bytes

@@ -18,7 +18,7 @@ So the trust boundary stays `wire`'s; this is only a faster road through it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from rankwatch import wire
 
@@ -296,7 +296,26 @@ def _fast(data: Any) -> wire.Heartbeat:
         host_memory=_host_memory(memory) if memory else {},
         version=version,
         steps_skipped=_count(get("steps_skipped", 0)),
+        busy_cpu_s=_opt_seconds(get("busy_cpu_s")),
+        io_bytes=_opt_bytes(get("io_bytes")),
+        wakeups=_opt_bytes(get("wakeups")),
     )
+
+
+def _opt_seconds(v: Any) -> Optional[float]:
+    if v is None:
+        return None
+    if type(v) not in (float, int) or not 0.0 <= v <= _MAX_TIME:
+        raise _Slow  # wire's decoder says why
+    return float(v)
+
+
+def _opt_bytes(v: Any) -> Optional[int]:
+    if v is None:
+        return None
+    if type(v) is not int or not 0 <= v <= wire.MAX_INT:
+        raise _Slow
+    return v
 
 
 def parse(raw: bytes, what: str, limit: int = wire.MAX_MESSAGE_BYTES) -> Any:

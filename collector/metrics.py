@@ -31,6 +31,7 @@ from prometheus_client.utils import floatToGoString
 
 from rankwatch import wire
 
+from . import stuck
 from .analyses import straggler
 
 if TYPE_CHECKING:
@@ -178,13 +179,14 @@ class CollectorMetrics:
                     if value is not None:
                         lines.append(f"{name}{labels} {_value(value)}")
         cfg = self.collector.config
-        timeout = run.adaptive_timeout(cfg.startup_timeout, cfg.adaptive_floor, cfg.adaptive_multiplier)
+        timeout = stuck.naming_timeout(run, cfg)
         stalled = now - run.last_progress_seen_at if not run.finished else 0.0
         job = f'{{run="{rid}"}}'
         f["rankwatch_world_size"].append(f"rankwatch_world_size{job} {_value(run.world_size)}")
         f["rankwatch_seconds_since_progress"].append(f"rankwatch_seconds_since_progress{job} {_value(stalled)}")
         f["rankwatch_hang_timeout_seconds"].append(f"rankwatch_hang_timeout_seconds{job} {_value(timeout)}")
-        hung = 1 if any(i.kind == "hang" for i in list(run.incidents)) else 0
+        # A named stall still going (one that ended by itself is a note).
+        hung = 1 if any(i.kind == "hang" and "ended_at" not in i.details for i in list(run.incidents)) else 0
         f["rankwatch_hung"].append(f"rankwatch_hung{job} {_value(hung)}")
         rt = self.collector._rt.get(run_id)
         verdicts = list(rt.verdicts) if rt is not None else []

@@ -96,8 +96,27 @@ def load(path: Path, run_id: Optional[str] = None) -> tuple[RunState, list[str]]
         if m.reason == "hang" and m.incident and m.incident not in seen_incidents:
             seen_incidents.add(m.incident)
             run.incidents.append(_hang_incident_from_bundles(run, m.incident, bundles))
+    run.termination = run.termination or _termination(path, problems)
     run.finished = True
     return run, problems
+
+
+TERMINATION_FILE = "termination.json"  # the launcher's record of an outside ending (a scheduler, a signal)
+
+
+def _termination(path: Path, problems: list[str]) -> Optional[wire.Termination]:
+    """How something outside ended the run, when its launcher wrote it down
+    (untrusted like any file here: bounded, validated)."""
+    file = path / TERMINATION_FILE if path.is_dir() else None
+    if file is None or not file.is_file():
+        return None
+    try:
+        if file.stat().st_size > 64 * 1024:
+            raise ValueError("larger than 64 KiB")
+        return wire.decode(wire.Termination, wire.parse_json(file.read_bytes(), TERMINATION_FILE))
+    except (ValueError, OSError) as exc:
+        problems.append(f"{file}: not read ({exc})")
+        return None
 
 
 def _load_index(index: Path, problems: list[str], run_id: Optional[str] = None) -> Optional[RunState]:

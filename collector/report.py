@@ -7,6 +7,7 @@ import dataclasses
 
 from rankwatch import wire
 
+from .analyses.common import where
 from .state import RunState
 
 
@@ -25,7 +26,7 @@ def build(run: RunState, verdicts: list[wire.Verdict]) -> wire.Report:
             ordered[i] = dataclasses.replace(v, id=vid)
     return wire.Report(run_id=run.run_id, world_size=world,
                        status="faulty" if ordered else "healthy", verdicts=ordered, notes=notes(run),
-                       margins=margins(run, ordered))
+                       margins=margins(run, ordered), termination=run.termination)
 
 
 def margins(run: RunState, verdicts: list[wire.Verdict]) -> dict[str, dict]:
@@ -53,8 +54,9 @@ def margins(run: RunState, verdicts: list[wire.Verdict]) -> dict[str, dict]:
 
 
 def notes(run: RunState) -> list[str]:
-    """Gradient-flow observations, once per kind (every rank reports the same)."""
-    out = []
+    """Stalls that ended by themselves, then gradient-flow observations, once
+    per kind (every rank reports the same)."""
+    out = stall_notes(run)
     for kind, text in (("unused_parameters", "never received a gradient in the first steps"),
                        ("zero_gradients", "always had an exactly zero gradient")):
         for rank in sorted(run.ranks):
@@ -71,4 +73,37 @@ def notes(run: RunState) -> list[str]:
                        f"(rank {rank}, step {event.step}; a healthy step leaves them unchanged): "
                        f"{', '.join(map(str, names[:10]))}")
             break
+    return out
+
+
+MAX_STALL_NOTES = 20
+
+
+def stall_notes(run: RunState) -> list[str]:
+    """A stall that was named and then ended by itself (a checkpoint upload,
+    a long rank-0 evaluation) is not a verdict (CONTRACT.md, 2026-11-25):
+    one note each, with its rank, place and duration."""
+    out = []
+    diagnosed = run.trackers.get("_hang_diagnoses", {})
+    ended = [i for i in run.incidents if i.kind == "hang" and "ended_at" in i.details]
+    for incident in ended[:MAX_STALL_NOTES]:
+        found = diagnosed.get(incident.id)
+        v = found[1] if found else None
+        seconds = incident.details.get("stalled_s")
+        lasted = f"{seconds:.1f} s" if isinstance(seconds, (int, float)) else "a while"
+        if v is None:
+            out.append(f"stall (not a hang, it ended by itself): no rank made progress for {lasted} "
+                       f"(incident {incident.id})")
+            continue
+        stack = v.evidence.get("culprit_stack") or []
+        place = where(stack) if stack else "an unknown place"
+        ranks = ", ".join(map(str, v.ranks))
+        named = incident.details.get("diagnosed_at")
+        after = (f"named {named - incident.last_progress_at:.1f} s after the last progress"
+                 if isinstance(named, (int, float)) else "named")
+        out.append(f"stall (not a hang, it ended by itself): rank(s) {ranks} made no progress for {lasted} at "
+                   f"{place} (step {v.step}) while the others waited for it; {after} "
+                   f"(hang timeout {incident.timeout or 0:.1f} s, incident {incident.id})")
+    if len(ended) > MAX_STALL_NOTES:
+        out.append(f"{len(ended) - MAX_STALL_NOTES} more stalls ended by themselves (not listed)")
     return out

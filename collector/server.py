@@ -218,7 +218,8 @@ class Routes:
         if match and match.group(2) == "finish":
             request = wire.loads(wire.FinishRequest, body)
             exits = {int(r): (e.exit_code, e.exited_at) for r, e in request.exits.items()}
-            report = collector.finish(match.group(1), interrupted=request.interrupted, exits=exits)
+            report = collector.finish(match.group(1), interrupted=request.interrupted, exits=exits,
+                                      termination=request.termination)
             return _json(200, wire.to_dict(report))
         return _json(404, {"error": f"no route {path}"})
 

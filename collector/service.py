@@ -23,10 +23,10 @@ from rankwatch import config as config_mod
 from rankwatch.config import Config
 from rankwatch.outputs import report as report_output
 
-from . import analyses, report as report_mod
+from . import analyses, report as report_mod, stuck
 from .evidence import RankEvidence, from_bundle
 from .analyses import hang
-from .analyses.common import ranks_text, settle
+from .analyses.common import ranks_text, settle, where
 from .state import Incident, RunState
 from .store import Store
 
@@ -70,6 +70,7 @@ class _RunRuntime:
     # Every verdict announced live, latest figures: never retracted from the report.
     announced: dict[tuple[str, str], wire.Verdict] = field(default_factory=dict)
     failed: set = field(default_factory=set)  # what already failed for this run (logged once)
+    dead_announced: bool = False  # the dead-run line was said (once per run)
 
 
 class Collector:
@@ -293,6 +294,8 @@ class Collector:
                         state.exit_code, state.exited_at = code, event.at
             if hb.host_memory:
                 state.host_memory = dict(hb.host_memory)
+            if hb.busy_cpu_s is not None and hb.io_bytes is not None:
+                state.note_activity(now, hb.busy_cpu_s, hb.io_bytes, hb.wakeups or 0)
             fingerprints = _with_names(hb.fingerprints, state.fingerprints) if hb.fingerprints else []
             state.fingerprints.extend(fingerprints)
             # Queued: written off the request path.
@@ -505,16 +508,9 @@ class Collector:
         queued behind a slow collector do not push the incident back."""
         if not run.ranks or run.aborted:
             return
-        cfg = self.config
-        timeout = run.adaptive_timeout(cfg.startup_timeout, cfg.adaptive_floor, cfg.adaptive_multiplier)
-        if run.hang_timeout is None and run.checkpointing:
-            timeout = max(timeout, cfg.checkpoint_timeout)  # phase-aware: a checkpoint write takes long
-        reported = run.ranks_reported
-        if reported == 0 or reported < run.world_size:
-            # Start-up: workers still import torch and join the rendezvous (slow
-            # on a loaded node). Even a fixed --hang-timeout waits this long for
-            # every rank's first word; a rank that never reports is still caught.
-            timeout = max(timeout, cfg.startup_timeout)
+        # Named fast in every phase (a checkpoint write included); ending the
+        # job is a separate, stricter judgement (collector/stuck.py).
+        timeout = stuck.naming_timeout(run, self.config)
         stalled = now - run.last_progress_seen_at
         if stalled < timeout:
             return
@@ -587,6 +583,26 @@ class Collector:
                 rt.agent_commands.setdefault(rank, []).append(wire.Command(
                     kind="action", reason="nonfinite", details={"action": "detect_anomaly"}))
 
+    def _dead_run(self, run: RunState, v: wire.Verdict, now: float) -> None:
+        """A dead run (analyses/nonfinite.py): one loud line as it happens,
+        and with ``on_dead_run: abort`` the job ends (bundles first)."""
+        action = self.config.on_dead_run
+        if action == "ignore":
+            return
+        dead = v.evidence["dead_run"]
+        ending = action == "abort" and not run.finished
+        log.warning("%s", (f"run {run.run_id}: TRAINING IS DEAD: the loss has been non-finite on every rank since step "
+                           f"{dead['since_step']}; the weights are non-finite and every further step is wasted. "
+                           + ("Ending the job (on_dead_run: abort)." if ending else
+                              "The job goes on (on_dead_run: abort would end it)."))[:400])
+        if not ending:
+            return
+        live = self._live_ranks(run)
+        incident = Incident(id=f"dead_run-{len(run.incidents) + 1}", kind="nonfinite", opened_at=now,
+                            last_progress_at=run.last_progress_seen_at, requested_ranks=live,
+                            deadline=now + self._evidence_window(run), details={"abort": True, "dead_run": True})
+        self._open_incident(run, incident, "dead_run")
+
     def _close_incidents(self, run: RunState, now: float) -> None:
         """An incident is diagnosed once its evidence is in or its window
         closed; a big job's hang as soon as the heartbeats' numbers name the
@@ -596,6 +612,9 @@ class Collector:
         afterwards."""
         stale_after = hang.STALE_HEARTBEATS * self.config.heartbeat_interval
         for incident in run.incidents:
+            if incident.kind == "hang" and incident.ready and incident.details.get("open"):
+                self._follow_stall(run, incident, now, stale_after)
+                continue
             if incident.ready and not incident.details.get("abort_pending"):
                 continue
             have = run.evidence_for(incident.id)
@@ -613,15 +632,68 @@ class Collector:
                 self._touch(run.run_id, urgent=True)
                 incident.details["diagnosed_at"] = now
                 incident.details["evidence_from"] = sorted(have)
-                if (incident.kind == "hang" and run.on_hang == "abort") or incident.details.get("abort"):
+                if incident.kind == "hang":
+                    incident.details["open"] = True  # followed until it ends or is shown stuck
+                elif incident.details.get("abort"):
                     incident.details["abort_pending"] = True
                 self.store.save_incident(run.run_id, incident)
+                if incident.kind == "hang":
+                    self._follow_stall(run, incident, now, stale_after)
+                    continue
             if incident.details.get("abort_pending") and window_over:
                 del incident.details["abort_pending"]
                 incident.details["evidence_from"] = sorted(have)
                 self.store.save_incident(run.run_id, incident)
-                run.aborted = f"rankwatch aborted the job after diagnosing incident {incident.id}"
+                run.aborted = (f"rankwatch ended the dead run (incident {incident.id}: the loss non-finite on every "
+                               f"rank, on_dead_run: abort)" if incident.details.get("dead_run") else
+                               f"rankwatch aborted the job after diagnosing incident {incident.id}")
                 self._runtime(run.run_id).abort_sent = True
+
+    def _stall_ended(self, run: RunState, incident: Incident) -> bool:
+        """Progress again after a named stall: it ended by itself."""
+        if run.last_progress_seen_at <= incident.last_progress_at:
+            return False
+        incident.details.pop("open", None)
+        incident.details["ended_at"] = run.last_progress_seen_at
+        incident.details["stalled_s"] = round(run.last_progress_seen_at - incident.last_progress_at, 3)
+        self.store.save_incident(run.run_id, incident)
+        self._touch(run.run_id, urgent=True)
+        log.warning("run %s: the stall of incident %s ended by itself after %.1f s "
+                    "(a note in the report, not a verdict)", run.run_id, incident.id, incident.details["stalled_s"])
+        return True
+
+    def _follow_stall(self, run: RunState, incident: Incident, now: float, stale_after: float) -> None:
+        """A named stall, each tick: ended by itself (progress again: a note,
+        not a verdict), or, with on_hang abort, shown stuck (the job is
+        ended). Anything in between waits."""
+        found = hang.diagnose(run, incident, now, final=False)
+        # A rank frozen holding the GIL (its heartbeat thread stopped too) is
+        # stuck as named: the supervisor's stack signal may break its wait,
+        # and a stall rankwatch ended is not one that ended by itself.
+        frozen = found is not None and str(found.evidence.get("reason", "")).startswith("is frozen")
+        if frozen:
+            incident.details["frozen"] = True
+        elif self._stall_ended(run, incident):
+            return
+        if run.on_hang != "abort" or run.aborted or found is None:
+            return
+        if frozen:
+            reason = {"rule": "its interpreter frozen holding the GIL (heartbeat thread stopped) when named",
+                      "ranks": {str(r): {"rule": "frozen"} for r in found.ranks},
+                      "stalled_for_s": round(now - incident.last_progress_at, 1)}
+        else:
+            reason = stuck.stuck(run, incident, list(found.ranks), now, self.config, stale_after)
+        if reason is None:
+            return
+        incident.details.pop("open", None)
+        incident.details["stuck"] = reason
+        incident.details["stuck_at"] = now
+        self.store.save_incident(run.run_id, incident)
+        self._touch(run.run_id, urgent=True)
+        log.warning("run %s: %s stuck (%s): ending the job", run.run_id, ranks_text(list(found.ranks)),
+                    reason["rule"])
+        run.aborted = f"rankwatch aborted the job: incident {incident.id}, {ranks_text(list(found.ranks))} stuck"
+        self._runtime(run.run_id).abort_sent = True
 
     def _analyse(self, run: RunState, now: float, final: bool) -> list[wire.Verdict]:
         rt = self._runtime(run.run_id)
@@ -648,7 +720,15 @@ class Collector:
                     self._act_on(run, v, now)
             v.detected_at = rt.first_detected[key]
             rt.announced[key] = v
+            if v.kind == "nonfinite" and "dead_run" in v.evidence and not rt.dead_announced:
+                rt.dead_announced = True
+                self._dead_run(run, v, now)
             self.store.save_verdict(run.run_id, v)
+        ended = {i.id for i in run.incidents if i.kind == "hang" and "ended_at" in i.details}
+        if ended:  # a stall that ended by itself is a note, not a verdict (announced or not)
+            for key, v in list(rt.announced.items()):
+                if v.kind == "hang" and v.evidence.get("incident") in ended:
+                    del rt.announced[key]
         kept = _still_announced(rt.announced, found)
         # An announced verdict that a later, truer root explains (rank 0's NaN at
         # step 7 announced before rank 1's step-6 record arrived) becomes that
@@ -658,11 +738,17 @@ class Collector:
 
     # -- end of a run ------------------------------------------------------------------------
     def finish(self, run_id: str, interrupted: bool = False,
-               exits: Optional[dict[int, tuple[int, float]]] = None) -> wire.Report:
-        """The launcher is done: record what it knows, analyse a last time."""
+               exits: Optional[dict[int, tuple[int, float]]] = None,
+               termination: Optional[wire.Termination] = None) -> wire.Report:
+        """The launcher is done: record what it knows, analyse a last time.
+        A launcher that says something outside ended the job (``termination``)
+        makes its ranks' signal deaths consequences of that, never a crash."""
         with self._lock:
             run = self._run(run_id)
-            run.interrupted = run.interrupted or interrupted
+            run.interrupted = run.interrupted or interrupted or termination is not None
+            if run.termination is None or (termination is not None and termination.by == "scheduler"
+                                           and run.termination.by != "scheduler"):
+                run.termination = termination or run.termination
             rt = self._runtime(run_id)
             for rank, (code, at) in (exits or {}).items():
                 state = run.rank(rank)
@@ -671,6 +757,8 @@ class Collector:
                     state.killed_by_rankwatch = rt.abort_sent
             for incident in run.incidents:
                 incident.details.pop("abort_pending", None)  # the job is over
+                if incident.kind == "hang" and incident.details.get("open") and not incident.details.get("frozen"):
+                    self._stall_ended(run, incident)  # progress in the ranks' last beats
                 if not incident.ready:
                     incident.ready = True
                     incident.details.setdefault("diagnosed_at", time.time())
@@ -758,6 +846,12 @@ MAX_ANNOUNCED = 8  # verdict lines a node's reply carries (the newest)
 def announcement(run_id: str, v: wire.Verdict) -> str:
     """The one line that says a verdict as it happens (the full summary is
     printed once, in the final report)."""
+    if v.kind == "hang" and v.evidence.get("incident"):
+        # A named stall: said at once, live; the job is ended only if it is shown stuck.
+        stack = v.evidence.get("culprit_stack") or []
+        at = f" at {where(stack)}" if stack else ""
+        return (f"run {run_id}: hang on {ranks_text(v.ranks)} at step {v.step}{at}, no progress for "
+                f"{v.evidence.get('hang_timeout_s') or 0:.0f} s (details in the report)")[:256]
     return f"run {run_id}: {v.kind} on {ranks_text(v.ranks)} at step {v.step} (details in the report)"[:256]
 
 

@@ -16,6 +16,7 @@ summaries (see analyses/common.py), so a 100,000-step run costs what a
 from __future__ import annotations
 
 import collections
+import math
 import statistics
 import threading
 import time
@@ -36,6 +37,7 @@ MIN_MARK_WINDOW = 4
 MARKS_PER_RUN = 64_000  # ... fewer on big jobs: collective_mismatch compares every kept mark each pass
 EVENT_WINDOW = 256  # recent events per rank, plus the first event of each kind
 FINGERPRINT_WINDOW = 2  # a rank's latest fingerprints (the analyses keep their own summaries)
+ACTIVITY_SAMPLES_KEPT = 600  # a stalled rank's activity samples (one a heartbeat: 10 minutes at 1 s)
 DURATIONS_KEPT = 512  # recent step durations across ranks, for the adaptive hang timeout
 
 
@@ -235,6 +237,9 @@ class RankState:
     events: EventLog = field(default_factory=EventLog)
     fingerprints: FingerprintLog = field(default_factory=FingerprintLog)
     host_memory: dict[str, int] = field(default_factory=dict)  # last heartbeat's
+    # (collector time, CPU s, file bytes, context switches) of the rank's process while it made
+    # no progress (agent/activity.py); None until it first stalled.
+    activity: Optional[collections.deque] = None
     exit_code: Optional[int] = None  # negative: signal (a property below: setting one notes the rank)
     exited_at: Optional[float] = None
     killed_by_rankwatch: bool = False
@@ -289,6 +294,11 @@ class RankState:
 
     def add_fingerprint(self, fingerprint: dict[str, Any]) -> None:
         self.fingerprints.append(fingerprint)
+
+    def note_activity(self, at: float, cpu_s: float, io_bytes: int, wakeups: int = 0) -> None:
+        if self.activity is None:
+            self.activity = collections.deque(maxlen=ACTIVITY_SAMPLES_KEPT)
+        self.activity.append((at, cpu_s, io_bytes, wakeups))
 
     def silent_for(self, at: float) -> float:
         """How long the rank's heartbeat thread had been silent at time `at`
@@ -348,6 +358,9 @@ class RunState:
     finished: bool = False
     interrupted: bool = False
     aborted: Optional[str] = None  # why rankwatch ended the job
+    # How something outside ended the job (a scheduler, a signal): the
+    # launchers say so at the end; the first one told is kept.
+    termination: Optional[wire.Termination] = None
     # When any rank last made progress, on the collector's clock: the agents'
     # own progress times (corrected by each rank's clock offset), never the
     # arrival time of a late heartbeat.
@@ -359,6 +372,7 @@ class RunState:
     checkpointing: set = field(default_factory=set)  # ranks in the checkpoint phase
     durations: collections.deque = field(default_factory=lambda: collections.deque(maxlen=DURATIONS_KEPT))
     typical_step_s: Optional[float] = None
+    step_p99_s: Optional[float] = None  # p99 of the recent step durations (the hang timeout's base)
     feed: Feed = field(default_factory=Feed, repr=False, compare=False)
     names: dict[tuple, list] = field(default_factory=dict, repr=False, compare=False)  # shared name tables
     trackers: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)  # analyses' summaries
@@ -412,7 +426,14 @@ class RunState:
         else:
             self.checkpointing.discard(state.rank)
         self.max_step = max(self.max_step, hb.step)
-        if progressed and hb.phase != "exited":
+        if progressed and hb.phase == "exited":
+            # The last beat of a rank that finished: the steps it made since
+            # its previous beat are progress (a stall that ended just before
+            # the job did), dated by the agent; the exit itself is not.
+            if (hb.step > state.step or hb.forwards > state.forwards) and 0 < hb.last_progress_at <= sent:
+                self.last_progress_seen_at = max(self.last_progress_seen_at,
+                                                 min(now, hb.last_progress_at + state.clock_offset))
+        elif progressed:
             moved = hb.step > state.step or hb.forwards > state.forwards or hb.phase != state.phase
             # Step, forward or phase: the agent's own time. A collective alone
             # (or a new rank): by the time the heartbeat was built.
@@ -427,15 +448,26 @@ class RunState:
         """Recent step durations across ranks (for the adaptive hang timeout)."""
         return list(self.durations)
 
-    def adaptive_timeout(self, startup: float, floor: float, multiplier: float) -> float:
+    def adaptive_timeout(self, startup: float, floor: float, multiplier: float, margin: float = 2.0) -> float:
+        """How long a stall lasts before it is named: the user's
+        --hang-timeout, else start-up's allowance before the first steps,
+        else max(floor, multiplier x p99 step time + margin): a step slower
+        than three times the slowest 1 % of this run's steps is not noise."""
         if self.hang_timeout is not None:
             return self.hang_timeout
         if self.max_step <= 1 and not any(s.step > 1 for s in list(self.ranks.values())[:64]):
             return startup  # the first step is start-up too
-        typical = self.typical_step_s
-        if typical is None:
+        p99 = self.step_p99_s
+        if p99 is None:
             durations = self.step_durations()
             if not durations:
                 return startup
-            typical = statistics.median(durations)
-        return max(floor, multiplier * typical)
+            p99 = percentile(durations, 0.99)
+        return max(floor, multiplier * p99 + margin)
+
+
+def percentile(values, share: float) -> float:
+    """The `share` quantile of `values` (nearest rank; values not empty)."""
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, int(math.ceil(share * len(ordered))) - 1))
+    return ordered[index]

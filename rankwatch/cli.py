@@ -15,6 +15,7 @@ from . import config as config_mod
 
 COMMANDS = (
     ("run", "launch a job with torchrun (same options), watched; writes report.json"),
+    ("exec", "watch one task of a Slurm step that runs Python directly (srun rankwatch exec -- python train.py)"),
     ("analyze", "rebuild and print the report of a run dir, a folder of bundles or one bundle (--html: its page)"),
     ("collector", "the standalone collector service for multi-node jobs (collector serve, collector link)"),
     ("grafana", "push the dashboards to Grafana and annotate verdicts (grafana push)"),
@@ -62,6 +63,10 @@ def _dispatch(command: str, rest: list[str]) -> int:
         from .node.launcher import run
 
         return run(rest)
+    if command == "exec":
+        from .node.slurm_exec import run as exec_run
+
+        return exec_run(rest)
     if command == "analyze":
         return analyze(rest)
     if command == "collector":

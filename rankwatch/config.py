@@ -37,10 +37,20 @@ class Config:
     on_hang: str = "abort"
     # Agent -> collector heartbeat period.
     heartbeat_interval: float = 1.0
-    # Adaptive hang timeout: before the first step, and its floor / multiplier after.
+    # Adaptive hang timeout (when a stall is named): before the first steps
+    # `startup_timeout`; after, max(adaptive_floor, adaptive_multiplier x the
+    # run's p99 step time + adaptive_margin).
     startup_timeout: float = 50.0
-    adaptive_floor: float = 20.0
-    adaptive_multiplier: float = 10.0
+    adaptive_floor: float = 5.0
+    adaptive_multiplier: float = 3.0
+    adaptive_margin: float = 2.0
+    # on_hang abort ends the job only once the stalled rank is shown stuck
+    # (collector/stuck.py): no CPU and no file I/O in its process for a
+    # window as long as the hang timeout, its interpreter frozen that long,
+    # or, while it keeps busy, no progress past this bound (None: adaptive,
+    # max(300 s, 10 x the hang timeout); checkpoint/compile phases:
+    # checkpoint_timeout).
+    hang_abort_timeout: Optional[float] = None
     # While any rank writes a checkpoint (torch.save, torch.distributed.checkpoint).
     checkpoint_timeout: float = 900.0
     # Seconds the collector waits for bundles after it asked for them.
@@ -73,6 +83,11 @@ class Config:
     on_config_divergence: str = "report"
     on_duplicate_data: str = "report"
     on_broken_update: str = "report"
+    # A dead run (every rank's loss non-finite at 3 optimizer steps in a row:
+    # the weights are non-finite, nothing recovers): "report" says it in one
+    # loud live line and the nonfinite verdict's evidence; "abort" ends the job
+    # (bundles first); "ignore" says nothing more than the nonfinite verdict.
+    on_dead_run: str = "report"
     # On a nonfinite verdict, turn on autograd anomaly detection on the origin
     # rank(s) only, so the next occurrence names the operation. Off by default:
     # anomaly mode makes backward raise on the next NaN, which changes the
@@ -177,6 +192,8 @@ def validate(config: Config) -> None:
             raise ConfigError(f"{key} must be one of {ACTIONS}, not {getattr(config, key)!r}")
     if config.hang_timeout is not None and config.hang_timeout <= 0:
         raise ConfigError("hang_timeout must be positive seconds")
+    if config.hang_abort_timeout is not None and config.hang_abort_timeout <= 0:
+        raise ConfigError("hang_abort_timeout must be positive seconds")
     if config.heartbeat_interval <= 0:
         raise ConfigError("heartbeat_interval must be positive seconds")
 

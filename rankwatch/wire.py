@@ -150,6 +150,15 @@ class Heartbeat:
     step_rows: list[list[Any]] = field(default_factory=list)
     # Step records this beat left out (high step rates: every 2^k-th kept).
     steps_skipped: int = 0
+    # While the rank has made no progress for a while (a stall): what its
+    # process did, cumulative since it started, rankwatch's own threads left
+    # out: CPU seconds of its threads and child processes, and bytes its
+    # threads read and wrote through files (/proc rchar + wchar). The
+    # collector tells a rank that works (an upload, an evaluation) from one
+    # that is stuck by these (collector/stuck.py). None: not sampled.
+    busy_cpu_s: Optional[float] = None
+    io_bytes: Optional[int] = None
+    wakeups: Optional[int] = None  # context switches of those threads (a thread waiting on a socket wakes)
 
 
 @dataclass
@@ -259,12 +268,30 @@ class ExitRecord:
 
 
 @dataclass
+class Termination:
+    """How something outside the job ended it (CONTRACT additions 2026-11-25):
+    a scheduler (Slurm's scancel, time limit, preemption) or a signal from
+    elsewhere. Not a verdict: it names no culprit."""
+
+    by: str  # "scheduler" | "signal"
+    reason: str  # "cancelled" | "time_limit" | "preempted" | "unknown"
+    signal: str  # "SIGTERM", "SIGUSR1", ...
+    at: str  # ISO-8601 UTC: when the launcher first saw it
+    source: str  # "SLURM_JOB_ID 4242 (scontrol: JobState=CANCELLED)", "a signal to the launcher (pid 77)"
+
+
+TERMINATION_BY = ("scheduler", "signal")
+TERMINATION_REASONS = ("cancelled", "time_limit", "preempted", "unknown")
+
+
+@dataclass
 class FinishRequest:
     """Launcher -> collector: the job is over; what torchrun saw of the exits."""
 
     interrupted: bool = False
     exits: dict[str, ExitRecord] = field(default_factory=dict)
     version: int = WIRE_VERSION
+    termination: Optional[Termination] = None  # newer launchers: how an outside ending came
 
 
 # --------------------------------------------------------------------------
@@ -334,6 +361,8 @@ class Report:
     # moment: {"margin": 0..1 (1.0 = fired), "step", "rank", "graded"}; added to
     # the contract (docs/contract.md, project section).
     margins: dict[str, dict] = field(default_factory=dict)
+    # null when the job ended by itself; how something outside ended it otherwise.
+    termination: Optional[Termination] = None
 
 
 # --------------------------------------------------------------------------
@@ -685,6 +714,8 @@ _RULES: dict[str, Any] = {
     "Heartbeat.collectives_completed": _both(_keys(_short_text), _each(_seq)),
     "Heartbeat.host_memory": _both(_keys(_token), _each(_bytes)),
     "Heartbeat.fingerprints": _fingerprints, "Heartbeat.steps_skipped": _count,
+    "Heartbeat.busy_cpu_s": _float_range(0.0, MAX_TIME), "Heartbeat.io_bytes": _int_range(0, MAX_INT),
+    "Heartbeat.wakeups": _int_range(0, MAX_INT),
     "Heartbeat.step_columns": _each(_token),
     "WorkerStatus.local_rank": _rank, "WorkerStatus.rank": _rank, "WorkerStatus.pid": _int_range(1, MAX_PID),
     "WorkerStatus.exit_code": _exit_code, "WorkerStatus.exited_at": _time,
@@ -695,6 +726,8 @@ _RULES: dict[str, Any] = {
     "Command.kind": _token, "Command.incident": _id_or_empty, "Command.ranks": _each(_rank),
     "ExitRecord.exit_code": _exit_code, "ExitRecord.exited_at": _time,
     "FinishRequest.exits": _keys(_rank_key),
+    "Termination.by": _one_of(*TERMINATION_BY), "Termination.reason": _one_of(*TERMINATION_REASONS),
+    "Termination.signal": _token, "Termination.at": _short_text, "Termination.source": _short_text,
     "BundleManifest.run_id": _id, "BundleManifest.rank": _rank, "BundleManifest.local_rank": _rank,
     "BundleManifest.world_size": _int_range(1, MAX_WORLD_SIZE), "BundleManifest.host": _host,
     "BundleManifest.pid": _pid_or_unknown, "BundleManifest.step": _count, "BundleManifest.created_at": _time,

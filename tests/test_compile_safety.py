@@ -135,3 +135,54 @@ def test_collectives_in_a_fullgraph_region(agent):
 
     out = torch.compile(reduce_and_scale, fullgraph=True, backend="eager")(torch.ones(3))
     assert out.tolist() == [2.0, 2.0, 2.0]
+
+
+def _compiled_ddp_graph_breaks() -> tuple[dict[str, int], list[str], int]:
+    """Graph breaks (by reason) and Dynamo's warnings while a compiled DDP
+    model trains 3 steps; and the forwards it made."""
+    import warnings
+
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = torch.compile(DDP(_net()), backend="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            opt.step()
+    reasons = {key.split("\n")[0] + " | " + key.split("Explanation:")[-1].split(".")[0].strip(): count
+               for key, count in counters["graph_break"].items()}
+    return reasons, [str(w.message) for w in caught if "Dynamo" in str(w.message)], 3
+
+
+def test_no_graph_break_of_rankwatchs_own_in_a_compiled_model(world):
+    """Issue 26: with rankwatch, a compiled DDP model had graph breaks plain
+    torch does not have: `time.time` (progress.py) and `time.perf_counter`
+    (device.py) traced from the forward pre-hook, and Dynamo warned about
+    tracing them. The same model, trained with and without the agent, has
+    the same graph breaks (by reason), and the agent still counts its
+    forwards and steps."""
+    plain, plain_warnings, _ = _compiled_ddp_graph_breaks()
+    safety._disabled.clear()
+    identity = wire.RankIdentity(run_id="compile", rank=0, local_rank=0, world_size=1, node_rank=0,
+                                 host="localhost", pid=os.getpid(), attempt=0)
+    agent = Agent(config_mod.Config(), identity, None)
+    agent.install()
+    try:
+        watched, watched_warnings, steps = _compiled_ddp_graph_breaks()
+        agent.progress.finish()
+        assert set(watched) == set(plain), (watched, plain)
+        assert watched_warnings == plain_warnings
+        # Any forward hook on the DDP module (a no-op one too) makes Module._call_impl take
+        # its hook path: Dynamo then meets DDP's own break once more. Nothing beyond that.
+        assert sum(watched.values()) <= sum(plain.values()) + 1, (watched, plain)
+        assert agent.progress.step == steps and agent.progress.forwards == steps
+        assert all(r.loss is not None for r in agent.progress.recent)
+    finally:
+        agent.uninstall()
+        torch._dynamo.reset()
+    assert not safety._disabled, f"a part of the agent failed: {safety._disabled}"

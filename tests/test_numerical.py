@@ -161,3 +161,36 @@ def test_nan_only_in_one_ranks_gradients_is_not_blamed_on_its_batch(tmp_path):
     assert (nonfinite["ranks"], nonfinite["step"]) == ([1], 5)
     assert nonfinite["evidence"]["loss_nonfinite_in_forward"] == []
     assert "in the forward" not in nonfinite["summary"]
+
+
+# -- a dead run (issue 26) ---------------------------------------------------------------------------
+
+
+def _dead_run_job(tmp_path, train_script, env=None):
+    # A NaN in rank 1's batch at step 3: from then on every rank's loss is NaN (weights NaN after the average).
+    return run_job(tmp_path, ["--nproc-per-node", "2", str(train_script), "--steps", "60", "--step-time", "0.05",
+                              "--fault", "nan", "--fault-rank", "1", "--fault-step", "3"], env=env)
+
+
+def test_a_dead_run_is_said_loudly_once_and_left_running_by_default(tmp_path, train_script):
+    job = _dead_run_job(tmp_path, train_script)
+    assert job.exit_code == 0, job.output[-3000:]
+    nonfinite = job.only("nonfinite")
+    assert nonfinite["ranks"] == [1] and len(job.verdicts()) == 1  # one incident, one verdict
+    dead = nonfinite["evidence"]["dead_run"]
+    assert 3 <= dead["since_step"] <= 5 and dead["confirmed_at_step"] == dead["since_step"] + 2
+    assert "Training is dead" in nonfinite["summary"]
+    assert job.output.count("TRAINING IS DEAD") == 1, job.output[-3000:]
+    assert "The job goes on (on_dead_run: abort would end it)" in job.output
+    assert "step 50 loss nan" in job.output  # left running, as the default says
+
+
+def test_a_dead_run_is_ended_with_on_dead_run_abort(tmp_path, train_script):
+    job = _dead_run_job(tmp_path, train_script, env={"RANKWATCH_ON_DEAD_RUN": "abort"})
+    assert job.exit_code != 0, job.output[-3000:]
+    assert "Ending the job (on_dead_run: abort)" in job.output
+    assert "rankwatch ending the job: rankwatch ended the dead run" in job.output  # after torchrun's exitcode -15
+    nonfinite = job.only("nonfinite")
+    assert "dead_run" in nonfinite["evidence"] and len(job.verdicts()) == 1
+    assert job.report["status"] == "faulty"
+    assert "step 50 loss" not in job.output  # ended: the 60 steps were not all run

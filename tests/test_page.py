@@ -12,6 +12,7 @@ from __future__ import annotations
 from html.parser import HTMLParser
 import json
 import logging
+import os
 import re
 import sys
 import time
@@ -168,9 +169,9 @@ def test_any_verdict_kind_renders_its_evidence_as_a_table_of_per_rank_values():
     table = page[page.index('<table class="per-rank">'):]
     table = table[:table.index("</table>")]
     header = re.findall(r"<th>([^<]*)</th>", table)
-    assert header[:4] == ["rank", "lr", "train_mode", "host"]
+    assert header[:4] == ["rank", "host", "lr", "train_mode"]  # who and where first (issue 26)
     first = re.search(r"<tr class=\"culprit\">(.*?)</tr>", table).group(1)
-    assert re.findall(r"<td[^>]*>([^<]*)</td>", first)[:4] == ["2", "1", "no", "node-b"]
+    assert re.findall(r"<td[^>]*>([^<]*)</td>", first)[:4] == ["2", "node-b", "1", "no"]
     assert "weight_divergence" in text and "on_config_divergence: ignore" in text
 
 
@@ -588,3 +589,88 @@ def test_the_printed_link_opens_the_runs_page_before_any_worker_has_started(tmp_
     finally:
         server.stop()
         embedded.stop()
+
+
+def test_the_login_link_is_printed_once_and_on_demand(tmp_path, capsys):
+    """Issue 26: a fresh one-time link was printed at start and again with
+    every verdict, flooding job logs. It is printed once; SIGUSR1 to the
+    launcher prints a fresh one."""
+    import signal
+
+    from rankwatch.collector.embedded import InProcessClient, start_embedded
+    from rankwatch.config import Config
+    from rankwatch.node import launcher
+
+    config = Config()
+    config.token = "t" * 32
+    embedded, server = start_embedded(config, tmp_path)
+    previous = signal.getsignal(signal.SIGUSR1)
+    try:
+        remote = InProcessClient(server.routes, server.url)
+        launcher._announce_page("job-1", server.url, embedded, server, remote)
+        first = capsys.readouterr().err
+        assert first.count("/login/") == 1 and f"kill -USR1 {os.getpid()}" in first
+        verdict = wire.Verdict(kind="nonfinite", ranks=[1], step=3, first_seen_at="2026-11-25T00:00:00Z",
+                               detected_at="2026-11-25T00:00:01Z", summary="NaN")
+        for callback in embedded.on_verdict:  # what the collector calls with each new verdict
+            callback("job-1", verdict)
+        assert "/login/" not in capsys.readouterr().err
+        os.kill(os.getpid(), signal.SIGUSR1)  # the handler runs in this (main) thread before the next line
+        fresh = re.findall(r"page: http://\S+/login/(\S+)", capsys.readouterr().err)
+        assert len(fresh) == 1 and fresh[0] not in first
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        server.stop()
+        embedded.stop()
+
+
+def test_a_just_started_run_says_running_not_healthy():
+    """Issue 26: a live run without a verdict yet was titled "(healthy)"."""
+    run, report = page_load.synthetic(4)
+    report.verdicts, report.status = [], "healthy"
+    model = pagedata.build(report, run, live=True, finished=False)
+    page = html.document(model, poll_url="/v1/runs/x/page")
+    assert "<title>rankwatch: synthetic-4 (running)</title>" in page
+    assert 'id="rw-status">RUNNING</span>' in html.fragment(model)["html"]  # what the live page polls
+    text = _text(page)
+    assert "RUNNING" in text and "No faults found so far" in text and "HEALTHY" not in text
+    finished = pagedata.build(report, run, live=True, finished=True)
+    assert "(healthy)" in html.document(finished)
+
+
+def test_a_sampled_series_is_drawn_as_points_and_says_it_is_sampled():
+    """Issue 26: the local gradient norm (sampled steps) was drawn as line
+    fragments between gaps, a nearly empty chart."""
+    run, report = page_load.synthetic(4)
+    for state in run.ranks.values():
+        for step, record in state.steps.items():
+            record.grad_norm = 1.0 + step % 3 if step % 8 == 0 else None
+    model = pagedata.build(report, run)
+    grad = next(m for m in model["timelines"]["metrics"] if m["key"] == "grad_norm")
+    loss = next(m for m in model["timelines"]["metrics"] if m["key"] == "loss")
+    assert grad["sampled"]["steps_with_value"] * 8 == pytest.approx(grad["sampled"]["steps"], abs=8)
+    assert "sampled" not in loss
+    charts = html.charts(model)["timelines"]["metrics"]
+    assert {m["key"]: m["sampled"] for m in charts if m["key"] in ("grad_norm", "loss")} == \
+        {"grad_norm": True, "loss": False}
+    text = _text(html.document(model))
+    assert "sampled: a value at" in text and "drawn as points" in text
+
+
+def test_the_evidence_tables_bundle_column_comes_right_after_the_rank():
+    """Issue 26: the bundle column was the last of a wide table, behind a
+    horizontal scroll; a bundle is shown by its name (the path on hover)."""
+    run, _ = page_load.synthetic(4, culprit=2)
+    path = "/very/long/run/dir/bundles/collective_mismatch-1/rank-00002.tar.gz"
+    evidence = {"calls": {str(r): {"op": "all_reduce", "callsite": "train.py:40 in main", "numel": 1 << r}
+                          for r in range(4)},
+                "others": {str(r): {"phase": "backward", "step": 5} for r in (0, 1, 3)},
+                "bundles": {"2": path}}
+    report = wire.Report(run_id=run.run_id, world_size=4, status="faulty", verdicts=[wire.Verdict(
+        kind="collective_mismatch", ranks=[2], step=5, first_seen_at="2026-11-24T10:00:00.000Z",
+        detected_at="2026-11-24T10:00:03.500Z", summary="Rank 2 called all_reduce.", evidence=evidence)])
+    page = html.page(report, run)
+    table = page[page.index('<table class="per-rank">'):]
+    table = table[:table.index("</table>")]
+    assert re.findall(r"<th>([^<]*)</th>", table)[:2] == ["rank", "bundles"]
+    assert 'title="' + path + '">rank-00002.tar.gz</span>' in table

@@ -287,3 +287,54 @@ def test_the_live_page_of_a_running_job_needs_the_printed_link(browser, tmp_path
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=30)
     assert (tmp_path / "run" / "report.html").is_file(), "".join(lines)[-3000:]
+
+
+def test_sampled_series_points_and_the_bundle_column_in_view(browser, shots, tmp_path):
+    """Issue 26 in the real browser: a sampled series' chart says it is
+    sampled and has points drawn (non-blank canvas); the evidence table's
+    bundle column is in view without scrolling sideways; no script error."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import page_load
+
+    from rankwatch import wire
+    from rankwatch.outputs import html
+
+    run, _ = page_load.synthetic(4, culprit=2)
+    for state in run.ranks.values():
+        for step, record in state.steps.items():
+            record.grad_norm = 1.0 + (step % 5) * 0.1 if step % 8 == 0 else None
+    path = "/very/long/run/dir/bundles/collective_mismatch-1/rank-00002.tar.gz"
+    evidence = {"calls": {str(r): {"op": "all_reduce", "callsite": "a/very/long/path/to/the/training/script.py:40 "
+                                   "in a_function_with_a_long_name", "numel": 1 << (r * 8)} for r in range(4)},
+                "others": {str(r): {"phase": "backward", "step": 5} for r in (0, 1, 3)},
+                "peers": {str(r): {"sequence": 12, "op": "allreduce", "input_sizes": [[1024, 1024]] * 4,
+                                   "origin": "internal"} for r in (0, 1, 3)},
+                "bundles": {str(r): path.replace("00002", f"{r:05d}") for r in range(4)}}
+    report = wire.Report(run_id=run.run_id, world_size=4, status="faulty", verdicts=[wire.Verdict(
+        kind="collective_mismatch", ranks=[2], step=5, first_seen_at="2026-11-24T10:00:00.000Z",
+        detected_at="2026-11-24T10:00:03.500Z", summary="Rank 2 called all_reduce.", evidence=evidence)])
+    target = tmp_path / "report.html"
+    target.write_text(html.page(report, run))
+    visit = Visit(browser, offline=True)
+    try:
+        page = visit.open_file(target)
+        caption = page.locator('figure.chart[data-metric="grad_norm"] figcaption')
+        assert "sampled" in caption.inner_text()
+        # Points drawn: the plot's canvas has coloured pixels beyond the axes' grey.
+        coloured = page.evaluate("""() => {
+            const c = document.querySelector('figure.chart[data-metric="grad_norm"] canvas');
+            const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+            let n = 0;
+            for (let i = 0; i < d.length; i += 4) {
+                const [r, g, b, a] = [d[i], d[i + 1], d[i + 2], d[i + 3]];
+                if (a > 0 && (Math.max(r, g, b) - Math.min(r, g, b)) > 60) n++;
+            }
+            return n; }""")
+        assert coloured > 50
+        header = page.locator("table.per-rank th", has_text="bundles").first
+        box = header.bounding_box()
+        assert box is not None and box["x"] + box["width"] <= 1360, box
+        assert not visit.errors, visit.errors
+        visit.shot(shots, "sampled-and-bundles")
+    finally:
+        visit.close()

@@ -512,3 +512,51 @@ def test_every_verdict_in_a_report_has_an_id_unique_within_it():
     ids = [v.id for v in built.verdicts]
     assert ids == ["straggler@7:r1-3", "straggler@7:r1-3#2", "hang@none:r0"]
     assert json.loads(wire.dumps(built))["verdicts"][0]["id"] == ids[0]
+
+
+def test_mismatch_summary_reads_as_english():
+    """Issue 26: "ranks 0, 1 were not (phase backward)" and "1 elements"."""
+    from rankwatch.collector.analyses import collective_mismatch
+
+    run = RunState(run_id="r", world_size=3)
+    for r in range(3):  # rank 2 died inside an extra 1-element all_reduce its peers never issued
+        state = run.rank(r)
+        state.step, state.phase = 5, "backward"
+        state.exit_code, state.exited_at = (-6 if r == 2 else -15), T + 1
+        progress = {"step": 5, "phase": "backward"}
+        if r == 2:
+            progress["collective"] = {"op": "all_reduce", "callsite": "train.py:40 in main", "numel": 1}
+        state.evidence["crash-1"] = RankEvidence(rank=r, reason="crash", created_at=T + 1, source="supervisor",
+                                                 progress=progress)
+    [found] = collective_mismatch.detect(run, T + 5, True)
+    assert "called all_reduce of 1 element at train.py:40" in found.summary
+    assert "ranks 0, 1 were in no collective (phase backward)" in found.summary
+
+
+def _losses_run(losses_by_step: list[tuple[float, float]]) -> RunState:
+    from rankwatch.collector.analyses.common import tracker
+
+    run = RunState(run_id="r", world_size=2)
+    for r in range(2):
+        run.rank(r)
+    state = tracker(run, "nonfinite")
+    for step, losses in enumerate(losses_by_step):
+        records = {r: wire.StepRecord(step=step, started_at=T + step, ended_at=T + step + 0.5, loss=loss)
+                   for r, loss in enumerate(losses)}
+        state.on_step(run, step, records)
+    return run
+
+
+def test_dead_run_needs_every_rank_non_finite_at_consecutive_optimizer_steps():
+    """A single non-finite step on every rank (an fp16 overflow whose step was
+    not skipped, a bad batch everywhere) is not a dead run; nor is one rank's
+    NaN, nor non-finite steps that are not consecutive; three in a row are."""
+    from rankwatch.collector.analyses.common import tracker
+
+    nan, ok = float("nan"), 1.0
+    assert tracker(_losses_run([(ok, ok), (nan, nan), (ok, ok), (nan, nan), (ok, ok)]), "nonfinite").dead is None
+    assert tracker(_losses_run([(ok, ok)] + [(nan, ok)] * 10), "nonfinite").dead is None
+    assert tracker(_losses_run([(ok, ok), (nan, nan), (float("inf"), nan), (ok, ok)]), "nonfinite").dead is None
+    dead = tracker(_losses_run([(ok, ok), (nan, ok), (nan, nan), (nan, float("inf")), (nan, nan), (nan, nan)]),
+                   "nonfinite").dead
+    assert dead is not None and (dead["since_step"], dead["confirmed_at_step"]) == (2, 4)

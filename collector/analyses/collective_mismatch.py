@@ -258,10 +258,10 @@ def _from_dying_call(run: RunState, now: float) -> Optional[wire.Verdict]:
     if peers_now:
         sample = next(iter(peers_now.values()))
         who = "issued inside torch: DDP's gradient allreduce or the like" if sample.origin == "internal" else f"from {sample.origin}"
-        peer_text = f"{ranks_text(others)} were in collective #{sample.seq}, {sample.shape_text} ({who})"
+        peer_text = f"{ranks_text(others)} {_were(others)} in collective #{sample.seq}, {sample.shape_text} ({who})"
     else:
-        peer_text = f"{ranks_text(others)} were not (phase {', '.join(phases)})"
-    size = f" of {numel} elements" if numel > 0 else ""
+        peer_text = f"{ranks_text(others)} {_were(others)} in no collective (phase {', '.join(phases)})"
+    size = f" of {numel} element{'' if numel == 1 else 's'}" if numel > 0 else ""
     summary = (f"{ranks_text(culprits).capitalize()} called {op}{size} at {site}, a collective its peers "
                f"did not issue: {peer_text}. The collectives paired with the wrong partner and the job aborted"
                + (f" ({failure.cause})." if failure else "."))
@@ -272,6 +272,10 @@ def _from_dying_call(run: RunState, now: float) -> Optional[wire.Verdict]:
                     for r, e in peers_now.items()}}
     first = min((f.at for f in found), default=now)
     return verdict("collective_mismatch", culprits, step, first, now, summary, ev)
+
+
+def _were(ranks: list[int]) -> str:
+    return "was" if len(ranks) == 1 else "were"
 
 
 # -- collective marks ------------------------------------------------------------

@@ -12,6 +12,8 @@ from typing import Any, Iterable, Optional
 
 from rankwatch import wire
 
+from ..state import percentile
+
 # Frames in these files are torch's or Python's machinery; the user's code is elsewhere.
 _MACHINERY = (
     f"{os.sep}torch{os.sep}",
@@ -336,6 +338,7 @@ def _settle(run, final: bool) -> None:
                 sealer.print_frontier[rank] = step
     if run.durations:
         run.typical_step_s = statistics.median(run.durations)
+        run.step_p99_s = percentile(run.durations, 0.99)
     exited = {s.rank for s in run.notable_ranks() if s.exit_code is not None}
     live = [r for r in list(run.ranks) if r not in exited] if exited else list(run.ranks)
     _seal_steps(run, sealer, live, active, final)

@@ -45,7 +45,8 @@ def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
     if left is not None:
         out.append(left)
     for incident in run.incidents:
-        if incident.kind == "hang" and incident.ready:
+        # A stall that ended by itself is a note in the report (collector/report.py).
+        if incident.kind == "hang" and incident.ready and "ended_at" not in incident.details:
             found = diagnose(run, incident, now, final)
             if found is not None:
                 out.append(found)
@@ -111,7 +112,7 @@ def diagnose(run: RunState, incident: Incident, now: Optional[float] = None,
     evidence (cached: a big job's diagnosis reads every rank once)."""
     evidence = run.evidence_for(incident.id)
     signature = (tuple(sorted((r, ev.source, len(ev.notes)) for r, ev in evidence.items())),
-                 len(run.notable), final)
+                 len(run.notable), final, "stuck" in incident.details)
     cache = run.trackers.setdefault("_hang_diagnoses", {})
     cached = cache.get(incident.id)
     if cached is not None and cached[0] == signature:
@@ -228,6 +229,10 @@ def _diagnose(run: RunState, incident: Incident, evidence: dict[int, RankEvidenc
         "reason": reason,
         "culprit_stack": stack[-12:],
     })
+    if "stuck" in incident.details:  # why rankwatch ended the job (collector/stuck.py)
+        details["ended_because"] = incident.details["stuck"]
+        details["ended_after_s"] = round(float(incident.details.get("stuck_at", 0.0)) - incident.last_progress_at, 3)
+        summary += f" rankwatch ended the job: {incident.details['stuck'].get('rule')}."
     return verdict("hang", culprits, step, incident.last_progress_at, incident.details.get("diagnosed_at"),
                    summary, details)
 

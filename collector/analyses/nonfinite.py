@@ -4,12 +4,22 @@ they were averaged. Every rank is NaN one step later; the origin is the rank
 
 Under AMP's GradScaler an overflow step that the scaler skips is normal; many
 skips in a row are not (the scale collapses and training stalls).
+
+A dead run: every rank's loss non-finite at DEAD_STEPS optimizer steps in a
+row. Each of those steps applied the gradients of a non-finite loss, so the
+weights are non-finite too and nothing in training can bring them back; the
+job only burns compute (and may overwrite good checkpoints). It is the same
+incident as the non-finite origin: one verdict, with ``evidence.dead_run``.
+A step the scaler skipped is no optimizer step (no record): a skipped fp16
+step, or a run of them, is never counted here. What happens then is
+``on_dead_run``: ``report`` (default: one loud live line, and the evidence),
+``abort`` (bundles, then end the job), ``ignore``.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional
 
 from rankwatch import wire
 
@@ -20,6 +30,11 @@ REPEATED_SKIPS = 20  # consecutive skipped overflow steps that make a verdict
 
 
 KEPT_STEPS = 4  # the earliest non-finite steps kept (the origin and what followed)
+# Optimizer steps in a row with every rank's loss non-finite that make a run
+# dead: the first may be the one whose update brought the non-finite values
+# in (the origin's step is one before); two more that applied non-finite
+# gradients to those weights leave no doubt.
+DEAD_STEPS = 3
 
 
 class _Skips:
@@ -41,6 +56,9 @@ class Tracker:
         # step -> ranks whose loss itself was not finite (the earliest steps):
         # the forward already made it, so the input batch or the forward is the cause.
         self.bad_loss: dict[int, set[int]] = {}
+        # The run of consecutive steps with every rank's loss non-finite: (first step, last step, at).
+        self.all_bad: Optional[tuple[int, int, float]] = None
+        self.dead: Optional[dict[str, Any]] = None  # set once: the run is dead from here on
 
     def _note(self, step: int, rank: int, priority: int, details: dict[str, Any]) -> None:
         at_step = self.bad.get(step)
@@ -69,6 +87,26 @@ class Tracker:
     def on_step(self, run: RunState, step: int, records: dict[int, wire.StepRecord]) -> None:
         for rank, record in paced(records.items()):  # a GPU rank fills its loss a step late
             self.on_record(run, rank, record)
+        if self.dead is None:
+            self._judge_dead(run, step, records)
+
+    def _judge_dead(self, run: RunState, step: int, records: dict[int, wire.StepRecord]) -> None:
+        world = max(run.world_size, len(run.ranks))
+        every_rank_bad = (len(records) >= world > 0 and all(
+            r.loss is not None and not math.isfinite(r.loss) for r in records.values()))
+        if not every_rank_bad:
+            self.all_bad = None
+            return
+        at = max(r.ended_at for r in records.values())
+        run_of = self.all_bad
+        if run_of is None or step != run_of[1] + 1:
+            run_of = (step, step, at)
+        else:
+            run_of = (run_of[0], step, run_of[2])
+        self.all_bad = run_of
+        if run_of[1] - run_of[0] + 1 >= DEAD_STEPS:
+            self.dead = {"since_step": run_of[0], "confirmed_at_step": step, "steps": DEAD_STEPS,
+                         "since_at": run_of[2], "at": at}
 
     def on_event(self, run: RunState, rank: int, event: wire.Event) -> None:
         if event.kind == "nonfinite" and event.step is not None:
@@ -132,6 +170,13 @@ def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
             "loss_nonfinite_in_forward": forward,
             "contaminated_from_step": later[0] if later else None,
         }
+        if state.dead is not None:
+            dead = state.dead
+            summary += (f" Training is dead: the loss has been non-finite on every rank at every optimizer step "
+                        f"since step {dead['since_step']} ({dead['steps']} in a row by step "
+                        f"{dead['confirmed_at_step']}), so the weights are non-finite and the job only burns compute "
+                        f"(on_dead_run: abort ends such a run).")
+            evidence["dead_run"] = dict(dead)
         found.append(verdict("nonfinite", origin, step, first, now, summary, evidence))
     found.extend(_repeated_skips(run, now))
     return found

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from rankwatch import config as config_mod
-from rankwatch import wire
+from rankwatch import slurm, wire
 
 OUR_OPTIONS = ("run_dir", "collector", "hang_timeout", "on_hang", "config")
 OUR_FLAGS = frozenset({"--run-dir", "--collector", "--hang-timeout", "--on-hang", "--config"})
@@ -70,22 +70,227 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def make_run_id(args: argparse.Namespace) -> str:
+    """The run's id: the one place it is derived (contract, 2026-11-25: a
+    rerun or requeue under the same rendezvous id is a new run, never one
+    that inherits an earlier run's verdicts).
+
+    - ``RANKWATCH_RUN_ID``: the deployment chose it (Kubernetes adds the
+      job's UID, which is new per job);
+    - a rendezvous id: ``<rdzv-id>-<launch nonce>``, the nonce agreed by every
+      node of this launch through torch's rendezvous store (launch_nonce);
+    - under srun: ``slurm-<job>.<step>[.r<requeue>]`` (rankwatch/slurm.py);
+      Slurm never reuses a job id, so every launch is new by itself;
+    - a rendezvous id: ``<rdzv-id>-<launch nonce>``, the nonce agreed by every
+      node of this launch through torch's rendezvous store (launch_nonce);
+    - one node without one: a fresh id per launch.
+
+    Elastic restarts within a launch keep the id (the launcher and its store
+    live on); they are attempts (TORCHELASTIC_RESTART_COUNT in each rank's
+    identity)."""
     env_id = os.environ.get("RANKWATCH_RUN_ID")
     if env_id:
         return _safe(env_id)  # the collector accepts run ids of the wire pattern only (SECURITY.md)
+    task = _slurm_task()
+    if task is not None and task.in_step:
+        # Under srun every node agrees on the job and step ids, which Slurm never
+        # reuses, so no nonce is needed; a requeue is a new attempt of the same
+        # run (SLURM_RESTART_COUNT in the id).
+        return _safe(slurm.run_id(task))
+    multi_node = not args.standalone and str(args.nnodes) not in ("1", "1:1")
     if args.rdzv_id and args.rdzv_id != "none":
-        return _safe(args.rdzv_id)
-    if not args.standalone and str(args.nnodes) not in ("1", "1:1"):
+        return _safe(f"{args.rdzv_id[:100]}-{launch_nonce(args)}")
+    if multi_node:
         # Every node of a multi-node job must agree on the id: derive it from the rendezvous.
         endpoint = args.rdzv_endpoint or f"{args.master_addr}:{args.master_port}"
-        return "job-" + hashlib.sha1(endpoint.encode()).hexdigest()[:12]
+        return "job-" + hashlib.sha1(endpoint.encode()).hexdigest()[:12] + "-" + launch_nonce(args)
     return time.strftime("run-%Y%m%d-%H%M%S-") + secrets.token_hex(3)
+
+
+NONCE_KEY = "rankwatch.launch_nonce"
+# The launcher's handle on the rendezvous store: kept for the whole launch so
+# that torch's own rendezvous shares the same store server (multi_tenant) and a
+# node joining late (elastic scale-up) still reads this launch's nonce.
+_launch_stores: list[Any] = []
+
+
+def launch_nonce(args: argparse.Namespace) -> str:
+    """A nonce every node of this launch agrees on, and a later launch does
+    not see: the first node to ask sets it in the rendezvous's TCP store
+    (c10d backend: hosted by the launcher on the endpoint's machine, for as
+    long as that launch lives). Other backends (static, etcd) have no such
+    store here: each launch of a single node draws its own; a multi-node
+    launch of those keeps the rendezvous-derived id without a nonce ("-0"),
+    as before (see ARCHITECTURE.md, "Run identity")."""
+    single_node = args.standalone or str(args.nnodes) in ("1", "1:1")
+    if args.rdzv_backend != "c10d" or not args.rdzv_endpoint:
+        return secrets.token_hex(4) if single_node else "0"
+    candidate = secrets.token_hex(4)
+    try:
+        store = _rendezvous_store(args)
+        key = f"{NONCE_KEY}.{args.rdzv_id}"
+        agreed = store.compare_set(key, "", candidate)
+        _launch_stores.append(store)
+        return bytes(agreed).decode("ascii", "replace")[:16] or candidate
+    except Exception as exc:
+        _say(f"the launch nonce could not be agreed through the rendezvous store at {args.rdzv_endpoint} "
+             f"({type(exc).__name__}: {str(exc)[:200]}); this node uses its own run id")
+        return candidate
+
+
+def _rendezvous_store(args: argparse.Namespace) -> Any:
+    """The c10d rendezvous's TCP store, opened exactly as torch's c10d
+    backend opens it (torch.distributed.elastic.rendezvous.
+    c10d_rendezvous_backend._create_tcp_store): hosted here when the
+    endpoint names this machine, multi_tenant so that torch's rendezvous
+    later in this process shares it."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname, parse_rendezvous_endpoint
+
+    host, port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)
+    configs = dict(item.split("=", 1) for item in (args.rdzv_conf or "").split(",") if "=" in item)
+    is_host_conf = configs.get("is_host")
+    is_host = (is_host_conf.strip().lower() in ("1", "true", "yes", "y") if is_host_conf is not None
+               else _matches_machine_hostname(host))
+    # A node that is not the host waits for it as long as torch's rendezvous would (join_timeout).
+    wait_s = float(configs.get("join_timeout", 600))
+    for as_server in ([True, False] if is_host else [False]):
+        try:
+            return TCPStore(host, port, is_master=as_server, multi_tenant=True,
+                            timeout=timedelta(seconds=wait_s if not as_server else 60))
+        except (ValueError, RuntimeError, TimeoutError):
+            # Like torch: another process on this machine may host it (two launchers on one host).
+            if not as_server or is_host_conf is not None:
+                raise
+    raise RuntimeError("unreachable")
 
 
 def _safe(text: str) -> str:
     # wire.ID_PATTERN: ASCII letters, digits, '-', '_', '.', no leading dot.
     cleaned = "".join(c if (c.isascii() and c.isalnum()) or c in "-_." else "-" for c in text)[:128].lstrip(".")
     return cleaned or "run"
+
+
+def _slurm_task() -> Optional[slurm.SlurmTask]:
+    """The Slurm task this launcher runs as (None outside Slurm, or with
+    RANKWATCH_SLURM=0: then the allocation is ignored)."""
+    if os.environ.get("RANKWATCH_SLURM", "").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    return slurm.task_from_env(os.environ)
+
+
+_NOT_GIVEN = object()
+
+
+def _given_options(argv: list[str]) -> set[str]:
+    """The torchrun options of slurm.FILLABLE the user set, by flag (any
+    spelling torchrun accepts) or by its PET_* variable."""
+    parser = build_parser()
+    parser.set_defaults(**{name: _NOT_GIVEN for name in slurm.FILLABLE})
+    with contextlib.redirect_stderr(open(os.devnull, "w")):
+        parsed = parser.parse_args(argv)  # parsed once already: cannot fail here
+    return {name for name in slurm.FILLABLE
+            if getattr(parsed, name, _NOT_GIVEN) is not _NOT_GIVEN or f"PET_{name.upper()}" in os.environ}
+
+
+def apply_slurm(args: argparse.Namespace, argv: list[str], task: Optional[slurm.SlurmTask]) -> list[str]:
+    """``srun rankwatch run``: torchrun's node options from the step, where
+    the user gave none. Outside a step (a batch script itself) nothing."""
+    if task is None or not task.in_step:
+        return []
+    return slurm.fill_launch(args, _given_options(argv), task)
+
+
+class _OutsideEnding:
+    """The first signal from outside that the launcher got (the scheduler's
+    SIGTERM, a --signal warning, a kill, Ctrl-C): what report.json's
+    ``termination`` is made from."""
+
+    def __init__(self) -> None:
+        self.signal: Optional[str] = None
+        self.at: float = 0.0
+
+    def note(self, signum: int) -> None:
+        if self.signal is None:
+            self.signal, self.at = signal.Signals(signum).name, time.time()
+
+
+@contextlib.contextmanager
+def _noting_signals(ending: _OutsideEnding, task: Optional[slurm.SlurmTask]):
+    """torchrun's termination handler, noting the signal first. Under Slurm a
+    ``--signal=USR1@N`` warning is noted and the launcher goes on (without a
+    handler, SIGUSR1 would end the launcher at once and lose the report); the
+    workers get Slurm's signal themselves, as they would without rankwatch."""
+    from torch.distributed.elastic.multiprocessing import api as mp_api
+
+    original = mp_api._terminate_process_handler
+
+    def handler(signum, frame):
+        ending.note(signum)
+        return original(signum, frame)
+
+    mp_api._terminate_process_handler = handler
+    previous = {}
+    if task is not None and threading_main():
+        for sig in (signal.SIGUSR1, signal.SIGUSR2):
+            with contextlib.suppress(ValueError, OSError):
+                previous[sig] = signal.signal(sig, lambda signum, frame: ending.note(signum))
+    try:
+        yield
+    finally:
+        mp_api._terminate_process_handler = original
+        for sig, old in previous.items():
+            with contextlib.suppress(ValueError, OSError, TypeError):
+                signal.signal(sig, old)
+
+
+def threading_main() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def outside_ending(ending: _OutsideEnding, task: Optional[slurm.SlurmTask],
+                   exits: dict[int, tuple[int, float]],
+                   state_of: Callable[[str], Optional[slurm.JobState]] = slurm.job_state) -> Optional[wire.Termination]:
+    """report.json's ``termination``: None when the job ended by itself.
+
+    Under Slurm, Slurm's view of the job (scontrol) says whether it ended the
+    job (a cancel, a time limit, a preemption), asked when the launcher got a
+    signal or a worker died by one (Slurm signals every process of the step;
+    a worker may go first). A signal Slurm did not send, or any signal
+    outside Slurm, is ``by: signal``."""
+    signalled = sorted((at, -code) for code, at in exits.values() if code < 0)
+    if ending.signal is None and not (task is not None and signalled):
+        return None
+    if task is not None:
+        name = ending.signal or _signal_name(signalled[0][1])
+        at = ending.at or signalled[0][0]
+        found = slurm.scheduler_ending(task, name, at, state_of=state_of)
+        if found is not None and (found.reason != "unknown" or ending.signal is not None):
+            return found
+    if ending.signal is None:
+        return None  # a worker killed by something else: a crash, the analyses' to name
+    return slurm.signal_ending(ending.signal, ending.at)
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def write_termination(run_dir: Path, termination: Optional[wire.Termination]) -> None:
+    """The ending, in the run dir for `rankwatch analyze` (collector.offline
+    reads it back)."""
+    if termination is None:
+        return
+    from rankwatch.collector.offline import TERMINATION_FILE
+
+    with contextlib.suppress(OSError):
+        (run_dir / TERMINATION_FILE).write_text(wire.json_text(wire.to_dict(termination), indent=2) + "\n")
 
 
 def worker_environment(run_dir: Path) -> dict[str, str]:
@@ -234,6 +439,13 @@ def run(argv: list[str]) -> int:
         parser.error(str(exc))
     if not args.training_script:
         parser.error("a training script (or -m MODULE) is required")
+    task = _slurm_task()
+    try:
+        filled = apply_slurm(args, argv, task)
+    except slurm.SlurmError as exc:
+        parser.error(str(exc))
+    if task is not None and task.in_step and task.node_name and not os.environ.get("RANKWATCH_HOST"):
+        os.environ["RANKWATCH_HOST"] = task.node_name  # verdicts name the node as Slurm (and its user) knows it
 
     run_id = make_run_id(args)
     run_dir = _usable_run_dir(Path(cfg.run_dir or Path("rankwatch-runs") / run_id).resolve(), run_id)
@@ -289,29 +501,42 @@ def run(argv: list[str]) -> int:
                                 host=os.environ.get("RANKWATCH_HOST") or socket.gethostname(),
                                 expected_workers=_local_world_size(args), announce=embedded is None)
     supervisor.start()
+    if filled:
+        _say(f"Slurm job {task.job_id} step {task.step_id}: " + ", ".join(filled))
+    if task is not None and task.in_step and str(args.nnodes) not in ("1", "1:1") and embedded is not None:
+        _say("a multi-node job with the embedded collector: this node's report covers its own ranks only; "
+             "give --collector URL (a `rankwatch collector serve` every node reaches, see examples/slurm/) "
+             "for one report of the whole job")
     _say(f"run {run_id}: collector {collector_url}{' (embedded)' if embedded else ''}, run dir {run_dir}"
          + (f", metrics {collector_url}/metrics" if embedded else ""))
     _announce_page(run_id, collector_url, embedded, server, remote, make_known=supervisor.report_now)
 
     exit_code = 0
     interrupted = False
+    ending = _OutsideEnding()
     exits: dict[int, tuple[int, float]] = {}
     import torch.distributed.run as torch_run
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
-        with _bootstrap_entrypoint(), _interrupt_handling(lambda: _hang_diagnosed(embedded, run_id)):
+        with _bootstrap_entrypoint(), _interrupt_handling(lambda: _hang_diagnosed(embedded, run_id)), \
+                _noting_signals(ending, task):
             torch_run.run(args)
     except ChildFailedError as exc:
         exit_code = 1
         for rank, failure in exc.failures.items():
             exits[int(rank)] = (int(failure.exitcode), float(failure.timestamp))
+        if supervisor.aborted:
+            # torchrun has just logged "failed (exitcode: -15)" and its error summary: say whose doing it was.
+            _say(f"the failures above (exitcode -15: SIGTERM, -9: SIGKILL) are rankwatch ending the job: "
+                 f"{supervisor.abort_reason or 'a verdict whose action is abort'}; the verdict is below")
     except SignalException as exc:
         interrupted = True
         exit_code = 128 + int(exc.sigval)
     except KeyboardInterrupt:
         interrupted = True
+        ending.note(signal.SIGINT)
         exit_code = 128 + signal.SIGINT
     except SystemExit as exc:
         exit_code = exc.code if isinstance(exc.code, int) else 1
@@ -319,14 +544,16 @@ def run(argv: list[str]) -> int:
         exit_code = 1
         _say(f"launch failed: {type(exc).__name__}: {exc}")
     finally:
-        _finish(run_id, run_dir, supervisor, embedded, server, remote, interrupted, exits, relay=relay)
+        _finish(run_id, run_dir, supervisor, embedded, server, remote, interrupted, exits, relay=relay,
+                ending=lambda merged: outside_ending(ending, task, merged))
     if supervisor.aborted and exit_code == 0:
         exit_code = 1
     return exit_code
 
 
 def _finish(run_id, run_dir, supervisor, embedded, server, remote, interrupted, exits,
-            relay=None) -> Optional[wire.Report]:
+            relay=None, ending: Callable[[dict], Optional[wire.Termination]] = lambda exits: None,
+            write_files: bool = True) -> Optional[wire.Report]:
     """Always write report.json: collect late bundles, analyse a last time.
 
     Nothing here may change the job's exit status or end in a traceback: a
@@ -334,6 +561,7 @@ def _finish(run_id, run_dir, supervisor, embedded, server, remote, interrupted, 
     this node saw; a run dir that cannot be written gives the report in the
     temp dir (or only the printed summary)."""
     report = None
+    termination: Optional[wire.Termination] = None
     collector_used = embedded is not None  # a standalone collector's: once its report is taken
     try:
         supervisor.stop()
@@ -342,10 +570,18 @@ def _finish(run_id, run_dir, supervisor, embedded, server, remote, interrupted, 
         _upload_spool(run_dir, remote)
         _wait_for_crash_bundles(embedded, run_id)
         exits = _node_exits(exits, supervisor)
+        try:
+            termination = ending(exits)
+        except Exception as exc:  # never in the way of the report
+            _say(f"how the job ended could not be told ({type(exc).__name__}: {exc})")
+        if termination is not None:
+            interrupted = True  # the ranks' signal deaths follow from it: no culprit
+            if write_files:
+                write_termination(run_dir, termination)
         if embedded is not None:
-            report = embedded.finish(run_id, interrupted=interrupted, exits=exits)
+            report = embedded.finish(run_id, interrupted=interrupted, exits=exits, termination=termination)
         else:
-            report, problem = _collector_report(run_id, remote, interrupted, exits)
+            report, problem = _collector_report(run_id, remote, interrupted, exits, termination)
             collector_used = problem is None
             if problem is not None:
                 _say(f"the collector at {remote.url} could not be used at the end ({problem}); "
@@ -364,7 +600,9 @@ def _finish(run_id, run_dir, supervisor, embedded, server, remote, interrupted, 
             _say(f"node-side analysis failed too ({type(inner).__name__}: {inner})")
             report = exits_report(run_id, exits)
     finally:
-        if report is not None:
+        if report is not None and report.termination is None:
+            report.termination = termination  # a report built on this node, or an older collector's
+        if report is not None and write_files:
             written = _write_report(report, run_dir)
             _write_page(report, run_dir, written,
                         embedded.runs.get(run_id) if embedded is not None and collector_used else None,
@@ -391,12 +629,13 @@ def _node_exits(exits: dict[int, tuple[int, float]], supervisor: Any) -> dict[in
     return merged
 
 
-def _collector_report(run_id: str, remote: Any, interrupted: bool,
-                      exits: dict[int, tuple[int, float]]) -> tuple[Optional[wire.Report], Optional[str]]:
+def _collector_report(run_id: str, remote: Any, interrupted: bool, exits: dict[int, tuple[int, float]],
+                      termination: Optional[wire.Termination] = None
+                      ) -> tuple[Optional[wire.Report], Optional[str]]:
     """The standalone collector's final report, or why it cannot be used: it
     is down, answers something that is not a report, a report of another
     run, or a report that calls a job healthy while one of its ranks failed."""
-    request = wire.FinishRequest(interrupted=interrupted,
+    request = wire.FinishRequest(interrupted=interrupted, termination=termination,
                                  exits={str(r): wire.ExitRecord(exit_code=c, exited_at=t) for r, (c, t) in exits.items()})
     try:
         raw = remote.post(f"/v1/runs/{run_id}/finish", wire.dumps(request), "application/json", timeout=30)
@@ -575,7 +814,7 @@ def _node_state(run_id: str, run_dir: Path) -> Any:
 def _announce_page(run_id: str, collector_url: str, embedded: Any, server: Any, remote: Any,
                    make_known: Optional[Callable[[], None]] = None) -> None:
     """Print a one-time link to the run's live page (the token never goes in
-    a URL); the embedded collector prints a fresh one with each verdict.
+    a URL), once; a fresh one on demand (SIGUSR1, see _link_on_demand).
 
     A link is a credential for its 10 minutes: it is printed where only this
     machine can use it (a collector on loopback) or to a person (a terminal),
@@ -602,9 +841,10 @@ def _announce_page(run_id: str, collector_url: str, embedded: Any, server: Any, 
                 code, ttl = sessions.mint(f"/runs/{run_id}")
                 return f"{collector_url}/login/{code} (one-time link, valid {int(ttl // 60)} min)"
 
-            _say(f"page: {link()}")
-            if embedded is not None:
-                embedded.on_verdict.append(lambda rid, verdict: rid == run_id and _say(f"page: {link()}"))
+            # Once: a link in every verdict flooded job logs. A fresh one on demand (a link
+            # opens once and lasts 10 min) with SIGUSR1, which torchrun leaves alone.
+            on_demand = _link_on_demand(lambda: _say(f"page: {link()}"))
+            _say(f"page: {link()}" + (f" (a fresh link: kill -USR1 {os.getpid()})" if on_demand else ""))
             return
         answer = remote.post("/v1/login-links", json.dumps({"run_id": run_id}).encode(), "application/json",
                              timeout=5)
@@ -615,6 +855,28 @@ def _announce_page(run_id: str, collector_url: str, embedded: Any, server: Any, 
             _say(f"page: {collector_url.rstrip('/')}{answer['path']} (one-time link, valid {minutes} min)")
     except Exception:
         pass  # an older collector without pages: the run goes on, report.html is written at the end
+
+
+def _link_on_demand(say_link: Callable[[], None]) -> bool:
+    """SIGUSR1 to this launcher prints a fresh one-time link. Only from the
+    main thread (Python's rule for signal handlers); False when not set."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGUSR1"):
+        return False
+    try:
+        current = signal.getsignal(signal.SIGUSR1)
+        if current not in (signal.SIG_DFL, None) and not getattr(current, "rankwatch_link", False):
+            return False  # the user's own handler stays
+
+        def handler(signum, frame) -> None:
+            say_link()
+
+        handler.rankwatch_link = True  # type: ignore[attr-defined]  # ours: replaced by a later launch in-process
+        signal.signal(signal.SIGUSR1, handler)
+    except (ValueError, OSError):
+        return False
+    return True
 
 
 def _upload_spool(run_dir: Path, remote: Any) -> None:

@@ -120,6 +120,7 @@ class NodeSupervisor:
         self.expected_workers = expected_workers
         self.workers: dict[int, Worker] = {}
         self.aborted = False
+        self.abort_reason = ""  # why rankwatch ended the job (said after torchrun's "failed (exitcode: -15)")
         self._captured: set[str] = set()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -281,6 +282,7 @@ class NodeSupervisor:
     def abort(self, reason: str, grace: float = 5.0) -> None:
         """End the job once the evidence is in: SIGTERM, then SIGKILL."""
         self.aborted = True
+        self.abort_reason = reason
         _log(f"ending the job: {reason}")
         live = [w for w in self.workers.values() if w.alive]
         # A rank's own children (DataLoader workers stuck in a read) would

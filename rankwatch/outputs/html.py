@@ -67,7 +67,8 @@ KIND_TEXT = {
     "duplicate_data": "ranks train on identical batches",
     "broken_update": "the optimizer step does not update what training needs",
 }
-SHOWN_ELSEWHERE = {"consequences", "culprit_stack"}  # evidence keys with a section of their own
+SHOWN_ELSEWHERE = {"consequences", "culprit_stack"}
+FIRST_COLUMNS = ("host", "bundles")  # per-rank evidence columns shown right after the rank  # evidence keys with a section of their own
 
 
 # -- the document -----------------------------------------------------------------------------
@@ -123,7 +124,7 @@ def document(model: dict[str, Any], poll_url: Optional[str] = None) -> str:
     csp = content_security_policy(scripts, styles, live=bool(data["live"]))
     return string.Template(assets["page.html"]).substitute(
         csp=esc(csp),
-        title=esc(f"rankwatch: {_s(model.get('run_id'))} ({_s(model.get('status'))})"),
+        title=esc(f"rankwatch: {_s(model.get('run_id'))} ({shown_status(model)})"),
         styles="".join(f"<style>{s}</style>" for s in styles),
         root=root(model),
         data=json_island(data),
@@ -287,7 +288,7 @@ def root(model: dict[str, Any]) -> str:
 
 
 def header(model: dict[str, Any]) -> str:
-    status = _s(model.get("status"), 16)
+    status = shown_status(model)
     live = ""
     if model.get("live"):
         live = ('<span class="live" id="rw-live">live: updates every '
@@ -300,10 +301,21 @@ def header(model: dict[str, Any]) -> str:
         steps = f" · steps reached {esc(progress.get('min_step'))}\u2013{esc(progress.get('max_step'))}"
     return (f'<header class="top"><div class="brand">rankwatch</div>'
             f'<h1>run <code>{esc(_s(model.get("run_id"), 200))}</code></h1>'
-            f'<span class="status {"faulty" if status == "faulty" else "healthy"}" id="rw-status">'
+            f'<span class="status {status if status in ("faulty", "running") else "healthy"}" id="rw-status">'
             f'{esc(status.upper() or "UNKNOWN")}</span>'
             f'<span class="meta">{esc(world)} rank{"s" if world != 1 else ""}{steps} · generated '
             f'{esc(_when(model.get("generated_at")))}</span>{live}</header>')
+
+
+def shown_status(model: dict[str, Any]) -> str:
+    """The run's status as the page says it: a live run that is still going
+    and has no verdict yet is "running" (nothing is known to be healthy
+    before it ends); a finished run, or one with a verdict, says its
+    report's status."""
+    status = _s(model.get("status"), 16)
+    if status == "healthy" and model.get("live") and not model.get("finished"):
+        return "running"
+    return status
 
 
 def _toc(model: dict[str, Any]) -> str:
@@ -325,8 +337,11 @@ def verdicts_section(model: dict[str, Any]) -> str:
         progress = _d(model.get("progress"))
         ranks = _i(model.get("world_size")) or 0
         steps = _i(progress.get("max_step"))
-        out.append('<article class="verdict healthy-card"><header><span class="kind">healthy</span></header>'
-                   f'<p class="summary">No faults found: {esc(ranks)} rank{"s" if ranks != 1 else ""}'
+        running = shown_status(model) == "running"
+        out.append('<article class="verdict healthy-card"><header><span class="kind">'
+                   + ("running" if running else "healthy") + '</span></header>'
+                   f'<p class="summary">No faults found{" so far" if running else ""}: '
+                   f'{esc(ranks)} rank{"s" if ranks != 1 else ""}'
                    + (f", {esc(steps + 1)} steps watched" if steps is not None else "") + ".</p></article>")
     for i, v in enumerate(verdicts):
         out.append(_section(v, lambda v, i=i: verdict_card(v, i), "A verdict"))
@@ -590,7 +605,9 @@ def evidence_block(evidence: dict[str, Any], culprits: set) -> str:
             others[key] = value
     out = ['<div class="evidence"><h3>Evidence</h3>']
     if per_rank:
-        columns = columns[:40]
+        # Who and where first (host, bundle): a wide table scrolls, and these are what one looks for.
+        columns = sorted(columns, key=lambda c: (c not in FIRST_COLUMNS, FIRST_COLUMNS.index(c) if c in FIRST_COLUMNS
+                                                 else 0))[:40]
         ordered = sorted(per_rank, key=lambda r: (r not in culprits, r))
         out.append('<div class="scroll"><table class="per-rank"><thead><tr><th>rank</th>')
         out.extend(f"<th>{esc(c)}</th>" for c in columns)
@@ -642,6 +659,8 @@ def _value_html(value: Any, depth: int, key: str = "") -> str:
         return esc(_fmt_number(value))
     if isinstance(value, str):
         text = _s(value)
+        if key == "bundles" and ("/" in text or "\\" in text):  # a bundle's path: its name, the path on hover
+            return f'<span class="path" title="{esc(text)}">{esc(os.path.basename(text.rstrip("/")) or text)}</span>'
         if "\n" in text:
             return f"<pre>{esc(text)}</pre>"
         return esc(text)
@@ -710,8 +729,13 @@ def timelines_section(t: dict[str, Any]) -> str:
     out = ['<section id="timelines"><h2>Timelines</h2>', f'<p class="hint">{hint}</p><div class="charts">']
     for m in metrics:
         key = re.sub(r"[^a-z_]", "", _s(m.get("key"), 40))
+        sampled = _d(m.get("sampled"))
+        note = ""
+        if _i(sampled.get("steps_with_value")) is not None and _i(sampled.get("steps")) is not None:
+            note = (f'<span class="sampled"> · sampled: a value at {esc(sampled["steps_with_value"])} of '
+                    f'{esc(sampled["steps"])} steps, drawn as points</span>')
         out.append(f'<figure class="chart" data-metric="{esc(key)}"><figcaption>{esc(_s(m.get("title"), 200))}'
-                   f'</figcaption><div class="plot"></div></figure>')
+                   f'{note}</figcaption><div class="plot"></div></figure>')
     out.append('</div><noscript><p class="hint">The charts need JavaScript.</p></noscript></section>')
     return "".join(out)
 
@@ -759,7 +783,7 @@ def charts(model: dict[str, Any]) -> dict[str, Any]:
         bands = _d(m.get("bands"))
         timeline["metrics"].append({
             "key": re.sub(r"[^a-z_]", "", _s(m.get("key"), 40)), "unit": re.sub(r"[^a-z]", "", _s(m.get("unit"), 10)),
-            "series": series,
+            "series": series, "sampled": bool(_d(m.get("sampled"))),
             "bands": {k: numbers(bands.get(k)) for k in ("min", "median", "max")} if bands else None})
     for marker in [m for m in _l(t.get("markers"), 100) if isinstance(m, dict)]:
         if _i(marker.get("step")) is not None:

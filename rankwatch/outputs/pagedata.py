@@ -452,6 +452,16 @@ def _expanded(culprits: list[int], world: int) -> list[int]:
     return chosen[:INDIVIDUAL_RANKS]
 
 
+def _sampled(rows: dict[str, list], steps: int) -> Optional[dict[str, int]]:
+    """A series with values at fewer than half of the steps shown (the
+    gradient checks' sampled steps) is sampled: drawn as points (lines would
+    be fragments between gaps), and the page says how many steps have one."""
+    with_value = sum(1 for j in range(steps) if any(j < len(row) and row[j] is not None for row in rows.values()))
+    if steps == 0 or with_value == 0 or with_value * 2 >= steps:
+        return None
+    return {"steps_with_value": with_value, "steps": steps}
+
+
 def _steps(run: Any, ranks: list[int]) -> list[int]:
     seen: set[int] = set()
     for r in ranks:
@@ -530,7 +540,11 @@ def timelines(run: Any, ranks: list[int], steps: list[int], expanded: list[int],
             key in bands and any(v is not None for v in bands[key]["max"]))
         if not has_data:
             continue
-        metrics.append({"key": key, "title": title, "unit": unit, "series": rows, "bands": bands.get(key)})
+        metric = {"key": key, "title": title, "unit": unit, "series": rows, "bands": bands.get(key)}
+        sampled = _sampled(rows, len(steps))
+        if sampled is not None:
+            metric["sampled"] = sampled
+        metrics.append(metric)
     markers = [{"step": v.step, "kind": v.kind, "ranks": v.ranks[:MAX_CULPRITS_EXPANDED]}
                for v in report.verdicts if isinstance(v.step, int)]
     return {"steps": steps, "ranks": [str(r) for r in shown], "binned": binned, "ranks_total": len(ranks),

@@ -12,7 +12,7 @@ from rankwatch import wire
 
 def write(report: wire.Report, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # launchers of several nodes may share the run dir
     try:
         tmp.write_text(wire.json_text(wire.to_dict(report), indent=2) + "\n")  # strict JSON: NaN as "NaN"
         os.replace(tmp, path)
@@ -26,6 +26,11 @@ def text(report: wire.Report) -> str:
     lines = [f"rankwatch: run {report.run_id} ({report.world_size} ranks): {report.status.upper()}"]
     if not report.verdicts:
         lines.append("  no faults found")
+    ending = report.termination
+    if ending is not None:
+        who = "the scheduler" if ending.by == "scheduler" else "a signal from outside"
+        lines.append(f"  ended by {who}: {ending.reason.replace('_', ' ')} ({ending.signal} at {ending.at}; "
+                     f"{ending.source})")
     for note in report.notes:
         lines.append(f"  note: {note}")
     for v in report.verdicts:

@@ -112,7 +112,9 @@
         series.push({ label: "rank " + rank + (isCulprit ? " (culprit)" : ""),
                       stroke: isCulprit ? CULPRIT : PALETTE[i % PALETTE.length],
                       width: isCulprit ? 2.5 : 1.2, spanGaps: false,
-                      points: { show: steps.length < 40 } });
+                      // A sampled series (values at a few steps) as points: lines would be fragments.
+                      paths: m.sampled ? function () { return null; } : undefined,
+                      points: m.sampled ? { show: true, size: isCulprit ? 7 : 5 } : { show: steps.length < 40 } });
       });
       var width = Math.max(320, fig.clientWidth || 560);
       var unit = m.unit;
