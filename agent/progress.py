@@ -85,13 +85,6 @@ def _engine_running() -> bool:
         return False
 
 
-def _compiling() -> bool:
-    try:
-        return bool(torch.compiler.is_compiling())
-    except Exception:
-        return False
-
-
 def _queue_callback(callback: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
