@@ -360,7 +360,7 @@ class Report:
     # Per check (analysis), how close its statistic came to firing at its worst
     # moment: {"margin": 0..1 (1.0 = fired), "step", "rank", "graded"}; added to
     # the contract (docs/contract.md, project section).
-    margins: dict[str, dict] = field(default_factory=dict)
+    margins: dict[str, dict[str, Any]] = field(default_factory=dict)
     # null when the job ended by itself; how something outside ended it otherwise.
     termination: Optional[Termination] = None
 
@@ -851,8 +851,9 @@ def _build_decoder(tp: Any):
                                         or not 0 <= version <= WIRE_VERSION):
                 raise WireError(f"{path}: unsupported version {version!r:.40} (this reader knows {WIRE_VERSION})")
             if not field_decoders:  # built on first use: the field types may refer to later classes
-                for name, _ in fields:
-                    field_decoders[name] = _field_decoder(cls_name, name, hints[name])
+                # all or nothing: a field whose type has no decoder must fail every
+                # call the same way, not leave a half-built table behind
+                field_decoders.update({name: _field_decoder(cls_name, name, hints[name]) for name, _ in fields})
             kwargs = {}
             for name, required in fields:
                 if name in value:

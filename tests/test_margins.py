@@ -45,3 +45,14 @@ def test_margins_grow_with_the_statistic_and_reach_one_when_it_fires():
     assert leak["margin"] == 1.0 and leak["rank"] == 0
     some = _margins(_run(0, slow_every=3))["straggler"]  # slow on a third of the steps: not persistent
     assert 0.3 <= some["margin"] < 1.0 and some["rank"] == 1, some
+
+
+def test_a_report_with_margins_reads_back_through_the_wire_decoder():
+    # `rankwatch analyze <collector URL>` reads the collector's report through
+    # wire.decode: a `margins` field typed with no decoder failed there (HTTP
+    # analyze and the page of a collector's run broke once margins existed).
+    report = wire.Report(run_id="m", world_size=2, status="healthy", verdicts=[],
+                         margins={"straggler": {"margin": 0.25, "step": 3, "rank": 1, "graded": True}})
+    for _ in range(2):  # the decoder is built on first use: the second call must not differ
+        back = wire.decode(wire.Report, wire.json_safe(wire.to_dict(report)))
+        assert back.margins == report.margins
