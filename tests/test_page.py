@@ -674,3 +674,42 @@ def test_the_evidence_tables_bundle_column_comes_right_after_the_rank():
     table = table[:table.index("</table>")]
     assert re.findall(r"<th>([^<]*)</th>", table)[:2] == ["rank", "bundles"]
     assert 'title="' + path + '">rank-00002.tar.gz</span>' in table
+
+
+def test_a_ranks_train_config_changes_are_marked_on_its_timelines_with_the_line_that_set_them():
+    """Issue 26 item 5: a rank switching to eval (or changing another training
+    fact) is a mark on its timelines, next to the verdicts' markers: which
+    rank, at which step, what changed and the line that set it. The first
+    facts a rank sends are its baseline, not a change; marks are bounded."""
+    run, report = page_load.synthetic(4)
+    steps = sorted(run.ranks[0].steps)
+    first, switch = steps[0], steps[len(steps) // 2]
+
+    def facts(rank, step, values, sites=None):
+        details = {"facts": [[k, v] for k, v in values.items()]}
+        if sites:
+            details["sites"] = [[k, v] for k, v in sites.items()]
+        run.ranks[rank].events.append(wire.Event(kind="train_config", at=1.0 + step, step=step, details=details))
+
+    for r in range(4):
+        facts(r, first, {"mode": "train", "clip": "none", "micro_batches": "1"})
+    facts(2, switch, {"mode": "eval"}, {"mode": "train.py:" + HOSTILE})
+    facts(2, switch + 1, {"mode": "train"})
+    for i in range(200):  # a fact flapping every step: thinned, not 200 marks
+        facts(3, first + 1 + i % 50, {"loss_scale": str(2.0 ** (i % 7))})
+    model = pagedata.build(report, run)
+    marks = [m for m in model["timelines"]["markers"] if m["kind"] == "train_config"]
+    eval_marks = [m for m in marks if ["mode", "eval"] in m["changed"]]
+    assert [(m["ranks"], m["step"]) for m in eval_marks] == [([2], switch)]
+    assert eval_marks[0]["sites"] == [["mode", "train.py:" + HOSTILE]]
+    assert any(m["ranks"] == [2] and m["step"] == switch + 1 and m["changed"] == [["mode", "train"]] for m in marks)
+    assert not any(m["step"] == first for m in marks)  # the baseline is no change
+    assert 0 < sum(1 for m in marks if 3 in m["ranks"]) <= pagedata.MAX_CONFIG_MARKS
+    # The charts' data carries them, checked; the page lists them, escaped.
+    drawn = [m for m in html.charts(model)["timelines"]["markers"] if m["kind"] == "train_config"]
+    assert {"step": switch, "ranks": [2], "label": "rank 2: mode \u2192 eval (train.py:" + HOSTILE + ")"}.items() \
+        <= next(m for m in drawn if m["step"] == switch).items()
+    page = html.document(model)
+    assert "<script>window.__pwned" not in page and "<img src=x" not in page
+    text = _text(page)
+    assert f"rank 2 at step {switch}: mode \u2192 eval (train.py:" + HOSTILE + ")" in text

@@ -292,7 +292,8 @@ def test_the_live_page_of_a_running_job_needs_the_printed_link(browser, tmp_path
 def test_sampled_series_points_and_the_bundle_column_in_view(browser, shots, tmp_path):
     """Issue 26 in the real browser: a sampled series' chart says it is
     sampled and has points drawn (non-blank canvas); the evidence table's
-    bundle column is in view without scrolling sideways; no script error."""
+    bundle column is in view without scrolling sideways; a rank's switch to
+    eval is marked on the timelines and listed; no script error."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     import page_load
 
@@ -313,11 +314,27 @@ def test_sampled_series_points_and_the_bundle_column_in_view(browser, shots, tmp
     report = wire.Report(run_id=run.run_id, world_size=4, status="faulty", verdicts=[wire.Verdict(
         kind="collective_mismatch", ranks=[2], step=5, first_seen_at="2026-11-24T10:00:00.000Z",
         detected_at="2026-11-24T10:00:03.500Z", summary="Rank 2 called all_reduce.", evidence=evidence)])
+    # Issue 26 item 5: rank 2 switching to eval is a dotted mark on its timelines.
+    steps = sorted(run.ranks[2].steps)
+    for step, facts in ((steps[0], [["mode", "train"]]), (steps[len(steps) // 2], [["mode", "eval"]])):
+        run.ranks[2].events.append(wire.Event(kind="train_config", at=1.0 + step, step=step, details={
+            "facts": facts, "sites": [["mode", "train.py:88"]]}))
     target = tmp_path / "report.html"
     target.write_text(html.page(report, run))
     visit = Visit(browser, offline=True)
     try:
         page = visit.open_file(target)
+        assert "rank 2 at step" in page.locator("details.config-changes").text_content()
+        marked = page.evaluate("""() => {  // the mark's colour (#2f4f4f) on the loss chart
+            const c = document.querySelector('figure.chart[data-metric="loss"] canvas');
+            const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+            let n = 0;
+            for (let i = 0; i < d.length; i += 4) {
+                if (d[i + 3] > 200 && Math.abs(d[i] - 47) < 10 && Math.abs(d[i + 1] - 79) < 10 &&
+                    Math.abs(d[i + 2] - 79) < 10) n++;
+            }
+            return n; }""")
+        assert marked > 20, marked
         caption = page.locator('figure.chart[data-metric="grad_norm"] figcaption')
         assert "sampled" in caption.inner_text()
         # Points drawn: the plot's canvas has coloured pixels beyond the axes' grey.

@@ -52,7 +52,8 @@ from . import pagedata
 KIND_COLOURS = {"hang": "#d62728", "collective_mismatch": "#9467bd", "crash": "#8c564b", "nonfinite": "#e377c2",
                 "grad_spike": "#ff7f0e", "weight_divergence": "#17becf", "straggler": "#1f77b4",
                 "oom": "#7f7f7f", "memory_growth": "#bcbd22", "config_divergence": "#2ca02c",
-                "duplicate_data": "#8c6d31", "broken_update": "#637939"}
+                "duplicate_data": "#8c6d31", "broken_update": "#637939",
+                "train_config": "#2f4f4f"}
 KIND_TEXT = {
     "hang": "no progress past the hang timeout",
     "collective_mismatch": "ranks issued different collectives at one sequence number",
@@ -720,7 +721,8 @@ def timelines_section(t: dict[str, Any]) -> str:
         return ('<section id="timelines"><h2>Timelines</h2><p class="hint">No step was recorded.</p></section>')
     shown = _l(t.get("ranks"), 64)
     binned = bool(t.get("binned"))
-    hint = ("One line per rank; culprits in red, thicker. Vertical dashed lines mark verdicts at their step. "
+    hint = ("One line per rank; culprits in red, thicker. Vertical dashed lines mark verdicts at their step, "
+            "dotted ones a rank's training-config change (train/eval mode, clipping, ...). "
             "Drag to zoom, double-click to reset.")
     if binned:
         hint = (f"{esc(_i(t.get('ranks_total')) or 0)} ranks: the band is the lowest to highest value of all "
@@ -736,8 +738,35 @@ def timelines_section(t: dict[str, Any]) -> str:
                     f'{esc(sampled["steps"])} steps, drawn as points</span>')
         out.append(f'<figure class="chart" data-metric="{esc(key)}"><figcaption>{esc(_s(m.get("title"), 200))}'
                    f'{note}</figcaption><div class="plot"></div></figure>')
-    out.append('</div><noscript><p class="hint">The charts need JavaScript.</p></noscript></section>')
+    out.append('</div>' + config_changes(t) +
+               '<noscript><p class="hint">The charts need JavaScript.</p></noscript></section>')
     return "".join(out)
+
+
+def config_label(marker: dict[str, Any]) -> str:
+    """'rank 2: mode → eval (train.py:42)': a training-fact change, as text (escaped where it is markup)."""
+    sites = {_s(k, 60): _s(v, 200) for k, v in (p for p in _l(marker.get("sites"), 16)
+                                                 if isinstance(p, list) and len(p) == 2)}
+    parts = []
+    for pair in _l(marker.get("changed"), pagedata.MAX_CONFIG_FACTS):
+        if isinstance(pair, list) and len(pair) == 2:
+            key, value = _s(pair[0], 60), _s(pair[1], 120)
+            parts.append(f"{key} → {value}" + (f" ({sites[key]})" if sites.get(key) else ""))
+    return f"{ranks_label(marker.get('ranks'))}: {', '.join(parts) or 'training facts changed'}"
+
+
+def config_changes(t: dict[str, Any]) -> str:
+    """The timelines' training-fact marks as a list (readable without the charts)."""
+    marks = [m for m in _l(t.get("markers"), 100 + pagedata.INDIVIDUAL_RANKS * pagedata.MAX_CONFIG_MARKS)
+             if isinstance(m, dict) and m.get("kind") == "train_config" and _i(m.get("step")) is not None]
+    if not marks:
+        return ""
+    items = []
+    for m in marks:
+        head, _, rest = config_label(m).partition(": ")
+        items.append(f"<li>{esc(head)} at step {esc(m['step'])}: {esc(rest)}</li>")
+    return (f'<details class="config-changes"><summary>Training-config changes ({len(marks)}; dotted lines on '
+            f'the charts): train/eval mode, clipping, autocast, ...</summary><ul>{"".join(items)}</ul></details>')
 
 
 def heatmap_section(h: dict[str, Any]) -> str:
@@ -785,10 +814,16 @@ def charts(model: dict[str, Any]) -> dict[str, Any]:
             "key": re.sub(r"[^a-z_]", "", _s(m.get("key"), 40)), "unit": re.sub(r"[^a-z]", "", _s(m.get("unit"), 10)),
             "series": series, "sampled": bool(_d(m.get("sampled"))),
             "bands": {k: numbers(bands.get(k)) for k in ("min", "median", "max")} if bands else None})
-    for marker in [m for m in _l(t.get("markers"), 100) if isinstance(m, dict)]:
+    limit = 100 + pagedata.INDIVIDUAL_RANKS * pagedata.MAX_CONFIG_MARKS
+    for marker in [m for m in _l(t.get("markers"), limit) if isinstance(m, dict)]:
         if _i(marker.get("step")) is not None:
-            timeline["markers"].append({"step": marker["step"], "kind": re.sub(r"[^a-z_]", "", _s(marker.get("kind"), 40)),
-                                        "colour": KIND_COLOURS.get(_s(marker.get("kind"), 40), "#555")})
+            kind = _s(marker.get("kind"), 40)
+            drawn = {"step": marker["step"], "kind": re.sub(r"[^a-z_]", "", kind),
+                     "colour": KIND_COLOURS.get(kind, "#555")}
+            if kind == "train_config":  # a rank's training-fact change: its ranks and a label made here, as text
+                drawn["ranks"] = [r for r in _l(marker.get("ranks"), 64) if _i(r) is not None]
+                drawn["label"] = config_label(marker)
+            timeline["markers"].append(drawn)
     heat = {"steps": numbers(h.get("steps")), "rows": [], "metrics": []}
     for row in [r for r in _l(h.get("rows"), 4 * pagedata.HEATMAP_ROWS) if isinstance(r, dict)]:
         span = [x for x in _l(row.get("ranks"), 2) if _i(x) is not None] or [0, 0]

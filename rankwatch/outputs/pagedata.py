@@ -44,6 +44,8 @@ MAX_BUNDLES = 400
 MAX_ENV_VARS = 500
 MAX_TEXT = 4000  # characters of one value on the page
 MAX_TRACEBACK = 16000
+MAX_CONFIG_MARKS = 24  # a rank's training-fact changes marked on its timelines (first of each, then thinned)
+MAX_CONFIG_FACTS = 8  # facts named in one mark
 
 # (key, title, unit): per-rank step series, in the order the page shows them.
 METRICS = (
@@ -547,8 +549,66 @@ def timelines(run: Any, ranks: list[int], steps: list[int], expanded: list[int],
         metrics.append(metric)
     markers = [{"step": v.step, "kind": v.kind, "ranks": v.ranks[:MAX_CULPRITS_EXPANDED]}
                for v in report.verdicts if isinstance(v.step, int)]
+    markers += config_marks(run, shown, steps)
     return {"steps": steps, "ranks": [str(r) for r in shown], "binned": binned, "ranks_total": len(ranks),
             "metrics": metrics, "markers": markers}
+
+
+def config_marks(run: Any, shown: list[int], steps: list[int]) -> list[dict[str, Any]]:
+    """The shown ranks' training-fact changes (`train_config` events,
+    agent/train_config.py: train/eval mode, clipping, autocast, ...) as
+    timeline markers: {"step", "kind": "train_config", "ranks", "changed":
+    [[fact, value]], "sites": [[fact, "file:line"]]}. A rank's first facts
+    are its baseline, not a change. Per rank at most MAX_CONFIG_MARKS: the
+    first change of each fact to each value, then evenly thinned others. The
+    same change at the same step on several ranks is one marker."""
+    lo, hi = (steps[0], steps[-1]) if steps else (None, None)
+    grouped: dict[tuple, dict[str, Any]] = {}
+    for r in shown:
+        events = sorted((e for e in run.ranks[r].events if e.kind == "train_config" and isinstance(e.step, int)),
+                        key=lambda e: e.step)
+        current: dict[str, str] = {}
+        changes = []
+        for n, event in enumerate(events):
+            details = event.details if isinstance(event.details, dict) else {}
+            sites = {str(k): str(v) for k, v in _pairs(details.get("sites"))}
+            changed = []
+            for key, value in _pairs(details.get("facts")):
+                key, value = str(key)[:MAX_TEXT], str(value)[:MAX_TEXT]
+                if current.get(key) != value:
+                    if n > 0:
+                        changed.append((key, value))
+                    current[key] = value
+            if changed:
+                changes.append((event.step, changed, sites))
+        if len(changes) > MAX_CONFIG_MARKS:
+            seen: set = set()
+            firsts = []
+            for i, (_, changed, _) in enumerate(changes):
+                if any(c not in seen for c in changed):
+                    firsts.append(i)
+                seen.update(changed)
+            keep = set(firsts[:MAX_CONFIG_MARKS])
+            rest = [i for i in range(len(changes)) if i not in keep]
+            room = MAX_CONFIG_MARKS - len(keep)
+            if room > 0 and rest:
+                keep.update(rest[int(j * len(rest) / room)] for j in range(min(room, len(rest))))
+            changes = [c for i, c in enumerate(changes) if i in keep]
+        for step, changed, sites in changes:
+            if lo is not None and not lo <= step <= hi:
+                continue  # outside the steps shown
+            facts = changed[:MAX_CONFIG_FACTS]
+            where = tuple((k, sites[k]) for k, _ in facts if sites.get(k))
+            mark = grouped.setdefault((step, tuple(facts), where), {
+                "step": step, "kind": "train_config", "ranks": [], "changed": [list(c) for c in facts],
+                "sites": [list(w) for w in where]})
+            if len(mark["ranks"]) < MAX_CULPRITS_EXPANDED * 2:
+                mark["ranks"].append(r)
+    return sorted(grouped.values(), key=lambda m: (m["step"], m["ranks"]))
+
+
+def _pairs(value: Any) -> list:
+    return [p for p in value if isinstance(p, (list, tuple)) and len(p) == 2][:64] if isinstance(value, list) else []
 
 
 def heatmap(run: Any, ranks: list[int], steps: list[int], culprits: list[int], world: int) -> dict[str, Any]:

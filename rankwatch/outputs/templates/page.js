@@ -51,17 +51,21 @@
     return function (u) {
       var ctx = u.ctx, top = u.bbox.top, height = u.bbox.height;
       ctx.save();
+      var configs = 0;
       markers.forEach(function (m) {
         var x = u.valToPos(m.step, "x", true);
         if (x < u.bbox.left || x > u.bbox.left + u.bbox.width) { return; }
+        // A rank's training-config change (train/eval, ...): thinner, dotted, its label stacked below the verdicts'.
+        var config = m.kind === "train_config", row = config ? 2 + (configs++ % 6) : 1;
         ctx.strokeStyle = m.colour || CULPRIT;
-        ctx.lineWidth = 2 * devicePixelRatio;
-        ctx.setLineDash([6 * devicePixelRatio, 4 * devicePixelRatio]);
+        ctx.lineWidth = (config ? 1 : 2) * devicePixelRatio;
+        ctx.setLineDash(config ? [2 * devicePixelRatio, 3 * devicePixelRatio] : [6 * devicePixelRatio, 4 * devicePixelRatio]);
         ctx.beginPath(); ctx.moveTo(x, top); ctx.lineTo(x, top + height); ctx.stroke();
         ctx.setLineDash([]);
         ctx.fillStyle = m.colour || CULPRIT;
         ctx.font = (11 * devicePixelRatio) + "px sans-serif";
-        ctx.fillText(m.kind + " @ " + m.step, x + 4 * devicePixelRatio, top + 12 * devicePixelRatio);
+        ctx.fillText(config ? String(m.label || m.kind) + " @ " + m.step : m.kind + " @ " + m.step,
+                     x + 4 * devicePixelRatio, top + 12 * row * devicePixelRatio);
       });
       ctx.fillStyle = NONFINITE;
       nonfinite.forEach(function (step) {
@@ -209,6 +213,7 @@
     ctx.fillText("colour: " + fmt(vmin, metric.unit) + " \u2026 " + fmt(vmax, metric.unit) +
                  (skip ? " (after the first two steps)" : ""), labelW + 60, 10);
     (markers || []).forEach(function (m) {
+      if (m.kind === "train_config") { return; }  // a rank's config change: on its timelines only
       var j = steps.indexOf(m.step);
       if (j < 0) { return; }
       var x = labelW + j * cellW + cellW / 2;
