@@ -91,6 +91,8 @@ MATRIX = [
     Case("mismatch", "collective_mismatch"),
 ]
 WRAPPERS = ("ddp", "fsdp2")
+# A straggler is slow relative to its peers; a mismatch is between ranks.
+NEEDS_A_PEER = ("straggler", "mismatch")
 DTYPES = ("float32", "bfloat16")
 
 JOB = r'''
@@ -346,7 +348,9 @@ def judge_gpu_processes(output: str, nproc: int) -> Optional[str]:
     return None
 
 
-def torchrun_outcome(code: int, output: str, seconds: float) -> str:
+def torchrun_outcome(code: Optional[int], output: str, seconds: float) -> str:
+    if code is None:
+        return "not run (--plain)"
     if code == -9:
         return f"still running after {seconds:.0f} s (killed)"
     if code == 0:
@@ -444,7 +448,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--wrappers", default=",".join(WRAPPERS))
     p.add_argument("--dtypes", default=",".join(DTYPES))
     p.add_argument("--dry-run", action="store_true", help="check and print the matrix without running it")
-    p.add_argument("--nproc", type=int, default=0, help="GPUs to use (default: all, at least 2)")
+    p.add_argument("--nproc", type=int, default=0,
+                   help="GPUs to use (default: all). One GPU runs world size 1: the cases that need a peer "
+                        "(straggler, mismatch) are left out and said so")
+    p.add_argument("--plain", choices=("all", "healthy", "none"), default="all",
+                   help="which cases also run under plain torchrun (healthy: only the sync/overhead baseline)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per job")
     a = p.parse_args(argv)
     only = {f for f in a.only.split(",") if f}
@@ -459,12 +467,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         gpus = 0
     if a.dry_run:
         return dry_run(cases, wrappers, dtypes)
-    needed = max(2, a.nproc)
+    needed = max(1, a.nproc)
     if gpus < needed:
         print(f"[gpu_acceptance] {gpus} GPU(s) here: the matrix needs {needed}; nothing was run "
               f"(--dry-run checks the matrix without GPUs)")
         return 2
     nproc = a.nproc or gpus
+    if nproc == 1:
+        peerless = [c.fault for c in cases if c.fault in NEEDS_A_PEER]
+        if peerless:
+            print(f"[gpu_acceptance] one GPU: world size 1; left out (they need a peer): {', '.join(peerless)}")
+        cases = [c for c in cases if c.fault not in NEEDS_A_PEER]
     fault_rank = nproc - 1
     misses = 0
     overhead: dict[str, list[float]] = {}
@@ -497,7 +510,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                     if case.fault == "healthy":
                         env["ACC_PID_DIR"] = str(Path(tmp) / f"pids-{wrapper}-{dtype}-plain")
                         os.makedirs(env["ACC_PID_DIR"])
-                    pcode, pout, pseconds = run(plain_cmd, env, plain_timeout)
+                    if a.plain == "all" or (a.plain == "healthy" and case.fault == "healthy"):
+                        pcode, pout, pseconds = run(plain_cmd, env, plain_timeout)
+                    else:
+                        pcode, pout, pseconds = None, "", 0.0
                     if case.fault == "healthy":
                         # No sync and one process per GPU: what rankwatch adds is a miss.
                         for problem in (judge_syncs(out, pout), judge_gpu_processes(out, nproc)):

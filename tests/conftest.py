@@ -35,6 +35,19 @@ class Job:
         return found[0]
 
 
+@pytest.fixture(autouse=True)
+def _restore_environment():
+    """Every test leaves os.environ as it found it: a test that sets
+    MASTER_PORT (or RANK...) in-process once leaked it into every later job
+    this process started (the Slurm jobs inherited a port already in use and
+    all failed with EADDRINUSE in CI, never when run alone)."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def worker_env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
     env.pop("RANKWATCH_RUN_ID", None)

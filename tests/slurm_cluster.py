@@ -64,6 +64,10 @@ def version() -> str:
     return done.stdout.strip()
 
 
+TORCH_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                    "GROUP_RANK", "TORCHELASTIC_RUN_ID")
+
+
 class SlurmCluster:
     def __init__(self, root: Path, ports: list[int]):
         self.dir = root
@@ -73,6 +77,8 @@ class SlurmCluster:
         for name in list(self.env):
             if name.startswith("SLURM_") and name != "SLURM_CONF":
                 del self.env[name]  # a test run inside a Slurm job must not leak its own job into these
+            elif name in TORCH_RENDEZVOUS:
+                del self.env[name]  # nor a rendezvous of the test process's own (sbatch exports it to the job)
 
     def start(self, timeout: float = 60.0) -> "SlurmCluster":
         (self.dir / "state").mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -201,28 +202,29 @@ def test_waiting_for_a_slow_peer_in_a_per_step_broadcast_is_not_the_waiters_data
     assert straggler["ranks"] == [1]
 
 
-def test_memory_a_requested_profile_takes_is_not_the_jobs(monkeypatch):
+def test_memory_a_requested_profile_takes_is_not_the_jobs(tmp_path):
     """issue 23: after a straggler verdict the collector asks the slow rank and
     one healthy rank for a profile; torch's profiler and reading its results
     keep ~30 MiB of RSS (glibc does not give it back), and the profiled rank
     was called leaking (`memory_growth` on a rank that only waits). The job's
-    RSS in the step records leaves rankwatch's profile out: no jump."""
-    import os
-    import threading
+    RSS in the step records leaves rankwatch's profile out: no jump.
 
-    import torch.distributed as dist
-
-    from rankwatch import config as config_mod
-    from rankwatch.agent.memory import rss_bytes
-    from rankwatch.agent.runtime import Agent
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
-    agent = Agent(config_mod.Config(), wire.RankIdentity(run_id="t", rank=0, local_rank=0, world_size=1), None)
-    agent.install()
-    dist.init_process_group("gloo")
-    try:
+    In a fresh process: the profiler's first use is what takes the memory
+    (an earlier test in the same interpreter would already have paid it, and
+    the test would show nothing, as it once did in CI)."""
+    script = tmp_path / "profile_memory.py"
+    script.write_text(textwrap.dedent("""
+        import json, os, threading
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}", RANK="0", WORLD_SIZE="1")
+        import torch
+        import torch.distributed as dist
+        from rankwatch import config, wire
+        from rankwatch.agent.memory import rss_bytes
         from rankwatch.agent.profiler import StepProfiler
-
+        from rankwatch.agent.runtime import Agent
+        agent = Agent(config.Config(), wire.RankIdentity(run_id="t", rank=0, local_rank=0, world_size=1), None)
+        agent.install()
+        dist.init_process_group("gloo")
         profiler = next(e for e in agent.extensions if isinstance(e, StepProfiler))
         reported, raw = [], []
         agent.progress.step_extras.append(lambda record: (reported.append(record.rss_bytes), raw.append(rss_bytes())))
@@ -232,18 +234,23 @@ def test_memory_a_requested_profile_takes_is_not_the_jobs(monkeypatch):
         for step in range(30):
             if step == 10:
                 profiler.on_command(wire.Command(kind="action", incident="profile-1", reason="straggler",
-                                                 details={"action": "profile", "steps": 3}))
+                                                 details={{"action": "profile", "steps": 3}}))
             if step == 16:  # read at step 13's end, then packed and sent in a thread
-                shipping = [t for t in threading.enumerate() if t.name == "rankwatch-profile"]
-                for thread in shipping:
+                for thread in [t for t in threading.enumerate() if t.name == "rankwatch-profile"]:
                     thread.join(30)
             opt.zero_grad()
             model(x).square().mean().backward()
             opt.step()
-    finally:
         agent.uninstall()
         dist.destroy_process_group()
-    before, after = reported[9], [r for r in reported[20:]]
-    assert raw[25] - raw[9] > 8 << 20, "the profile took memory (else this test shows nothing)"
+        print("RESULT " + json.dumps({{"reported": reported, "raw": raw}}), flush=True)
+        """).format(port=free_port()))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    reported, raw = result["reported"], result["raw"]
+    before, after = reported[9], reported[20:]
+    assert raw[25] - raw[9] > 8 << 20, f"the profile took memory (else this test shows nothing): {raw[9]} -> {raw[25]}"
     assert all(r is not None for r in after)
     assert max(after) - before < 4 << 20, [(r or 0) >> 20 for r in reported]
