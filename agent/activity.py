@@ -34,15 +34,34 @@ def own_thread_ids() -> set[int]:
             if t.name.startswith("rankwatch") and t.native_id is not None}
 
 
-def sample(pid: Optional[int] = None, skip_threads: Optional[set[int]] = None) -> Optional[tuple[float, int, int]]:
+def python_thread_ids() -> set[int]:
+    """Native ids of the threads that run Python code in this process."""
+    return {t.native_id for t in threading.enumerate() if t.native_id is not None}
+
+
+def sample(pid: Optional[int] = None, skip_threads: Optional[set[int]] = None,
+           python_threads: Optional[set[int]] = None) -> Optional[tuple[float, int, int]]:
     """(CPU seconds, file bytes read + written, context switches) of process
     `pid` (default: this one) without the threads in `skip_threads`, plus
     its child processes' CPU (DataLoader workers, a compiler). None without
     /proc. Context switches count a thread that waits on the network and
     wakes as bytes go out (an upload at 2 MB/s: ~3 a second, 0.04 % of a
-    core): a thread asleep or blocked for good never wakes."""
+    core): a thread asleep or blocked for good never wakes.
+
+    Threads that run no Python (`python_threads` given, or this process's)
+    count with their CPU alone: a rank's own work through a stall (an
+    upload, an evaluation, a checkpoint) runs in Python threads or child
+    processes, while native library threads wake on timers of their own
+    whether the rank works or not (CUDA's event handler and the driver's
+    threads in every CUDA process, OpenMP's pool), and some read an eventfd
+    as they wake, which /proc counts as bytes read. Such a poller's wake-ups
+    had a CUDA rank asleep in time.sleep() never judged idle (an H200,
+    2026-11-26: named as hung in 5 s, still not ended 60 s later). A native
+    thread that does real work shows by its CPU."""
+    own = pid is None or pid == os.getpid()
     pid = os.getpid() if pid is None else pid
-    skip = own_thread_ids() if skip_threads is None and pid == os.getpid() else (skip_threads or set())
+    skip = own_thread_ids() if skip_threads is None and own else (skip_threads or set())
+    python = python_threads if python_threads is not None else (python_thread_ids() if own else None)
     try:
         tids = os.listdir(f"{PROC}/{pid}/task")
     except OSError:
@@ -57,8 +76,9 @@ def sample(pid: Optional[int] = None, skip_threads: Optional[set[int]] = None) -
         if _machinery(base):
             continue
         cpu += _cpu_seconds(base)
-        io += _io_bytes(base)
-        switches += _switches(base)
+        if python is None or int(entry) in python:
+            io += _io_bytes(base)
+            switches += _switches(base)
     for child in _children(pid):
         cpu += _cpu_seconds(f"{PROC}/{child}")
     return cpu, io, switches

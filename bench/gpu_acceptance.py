@@ -4,14 +4,22 @@
     python bench/gpu_acceptance.py --only hang,nan_grad --wrappers ddp
     python bench/gpu_acceptance.py --dry-run       # check the matrix and print what it would run
 
-NO GPU RUN OF THIS SCRIPT HAS BEEN MADE HERE: no GPU is available to this
-project. It was written against torch's CUDA/NCCL sources (2.4-2.13). On
-CPU, ``--dry-run`` checks its own matrix (the job compiles, every expected
-verdict is a contract kind, every fault has a culprit, and the FSDP2
-nan_grad fault fires: the job runs on 2 CPU ranks for that). Without
-``--dry-run`` on a node with fewer GPUs than the matrix needs it says so and
-exits 2 (nothing was checked). The first GPU run is the real test; please
-send its output.
+It was written against torch's CUDA/NCCL sources (2.4-2.13). One GPU run
+has been made (2026-11-26, one H200, torch 2.11.0+cu130, world size 1 since
+that machine has one GPU: ``--nproc 1 --dtypes bfloat16 --plain healthy``):
+the DDP healthy job got no verdict, no sync more than plain torchrun and one
+process on the GPU; a NaN gradient was named (nonfinite, rank 0, step 10);
+a rank asleep was named as hung 5 s after its last step but not ended in
+the following 60 s (agent/activity.py: a native CUDA thread's wake-ups kept
+it from looking idle; fixed, not yet rerun on a GPU), and this script
+itself stalled on the survivors of that killed case (fixed: see run()).
+The two-rank matrix (straggler, mismatch, FSDP2 across GPUs) has never run
+on GPUs. On CPU, ``--dry-run`` checks its own matrix (the job compiles,
+every expected verdict is a contract kind, every fault has a culprit, and
+the FSDP2 nan_grad fault fires: the job runs on 2 CPU ranks for that).
+Without ``--dry-run`` on a node with fewer GPUs than ``--nproc`` it says so
+and exits 2 (nothing was checked). Please send the output of a run on a
+node of 2 or more GPUs.
 
 What it checks beyond verdicts, for the healthy jobs: the job makes no
 synchronize and no ``.item()`` of its own and runs its steps under
@@ -21,8 +29,9 @@ plain torchrun is a miss. While every rank is alive, the job counts the
 compute processes per GPU (NVML, else ``nvidia-smi``): more than one on a
 GPU (a rank with a context on GPU 0) is a miss. Step time is device time
 between CUDA events at each step's start (no host sync per step). Every
-launcher runs in a session of its own and its whole process group is killed
-at its timeout and after it ends (a hung plain-torchrun job's workers would
+launcher runs in a session of its own; at its timeout and after it ends
+every process of the case (found by a token in its environment: torchrun's
+workers run in sessions of their own) is killed (a hung job's workers would
 otherwise spin in NCCL through the later cases).
 
 On a node with N >= 2 GPUs it runs, for DDP and for FSDP2 (`fully_shard`),
@@ -284,30 +293,49 @@ def case_env(case: Case, wrapper: str, dtype: str, fault_rank: int) -> dict[str,
 
 
 def run(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int, str, float]:
-    """Run a launcher in a session of its own; past ``timeout`` kill its whole
-    process group (the launcher *and* its workers: a hung plain-torchrun
-    job's orphaned ranks would otherwise spin in NCCL and skew the cases
-    that follow), and in any case leave nothing of it running."""
+    """Run a launcher in a session of its own; past ``timeout`` kill it and
+    every process it started, and in any case leave nothing of it running.
+    Its process group is not enough: torch's elastic agent starts each
+    worker in a session of its own, so a killed launcher's workers (a hung
+    rank spinning in NCCL) survived it, held the output pipe open and
+    stalled this script (the first run on an H200). Every process of the
+    case carries a token in its environment, and is found by it."""
+    token = f"{os.getpid()}-{time.monotonic_ns()}"
     started = time.time()
-    proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-        code = proc.returncode
-    except subprocess.TimeoutExpired:
-        _kill_group(proc.pid)
-        out, _ = proc.communicate()
-        out = (out or "") + f"\n[gpu_acceptance] timed out after {timeout:.0f} s (process group killed)"
-        code = -9
-    _kill_group(proc.pid)  # workers a launcher left behind
-    return code, out or "", time.time() - started
+    with tempfile.TemporaryFile("w+") as output:
+        proc = subprocess.Popen(cmd, env={**os.environ, **env, "ACC_CASE_TOKEN": token}, stdout=output,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout)
+            note = ""
+        except subprocess.TimeoutExpired:
+            code = -9
+            note = f"\n[gpu_acceptance] timed out after {timeout:.0f} s (the launcher and its workers killed)"
+        _kill_case(proc.pid, token)
+        proc.wait()
+        output.seek(0)
+        return code, output.read() + note, time.time() - started
 
 
-def _kill_group(pgid: int) -> None:
+def _kill_case(pgid: int, token: str) -> None:
     try:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+    marker = f"ACC_CASE_TOKEN={token}".encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                found = marker in f.read().split(b"\0")
+        except OSError:
+            continue
+        if found:
+            try:
+                os.kill(int(entry), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
 
 def judge_syncs(watched_output: str, plain_output: str) -> Optional[str]:

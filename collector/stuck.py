@@ -15,7 +15,10 @@ A culprit rank counts as stuck when one of these holds:
    child processes together), read or wrote no file bytes (/proc rchar +
    wchar), and its threads woke under once a second (context switches: a
    thread that waits on a socket for an upload wakes as bytes go out; a
-   thread asleep or blocked for good never does). A rank asleep, blocked in a collective the
+   thread asleep or blocked for good never does; file bytes and wake-ups
+   are those of the threads that run Python, since native library threads
+   such as CUDA's wake on timers of their own, see agent/activity.py). A
+   rank asleep, blocked in a collective the
    others never join or on a lock does nothing; a rank uploading,
    evaluating or writing does. (Sampled by the rank's agent, agent/activity.py,
    from 2 s without progress.)
