@@ -330,3 +330,23 @@ def test_first_event_of_each_kind_outlives_the_event_window():
     assert [e.kind for e in state.events][:2] == ["unused_parameters", "exception"]
     found = analyses.nonfinite.detect(run, T0, True)
     assert found and found[0].evidence["repeated_skips"]["0"]["consecutive_skipped_steps"] == 20_000
+
+
+@pytest.mark.parametrize("slow_from,pattern,expected", [
+    (0, "always", 0),          # slow from the first step: labelled 0, not the step its window filled
+    (30, "always", 30),
+    (0, "two_of_three", 0),    # under the persistence until step 40, then always: still slow since 0
+])
+def test_a_straggler_is_labelled_with_the_step_its_slowness_began(slow_from, pattern, expected):
+    """issue 24 part 5: a straggler slow from step 0 was labelled step 41."""
+    n = 4
+    run = RunState(run_id="x", world_size=n)
+    for s in range(80):
+        for r in range(n):
+            slow = r == 2 and s >= slow_from and (pattern == "always" or s >= 40 or s % 3 != 2)
+            run.rank(r).add_step(record(s, r, compute=0.15 if slow else 0.05 + 0.001 * ((r + s) % 5)))
+    found = [v for v in analyses.run_all(run, T0 + 100, True) if v.kind == "straggler"]
+    assert [(v.ranks, v.step) for v in found] == [([2], expected)]
+    from datetime import datetime
+    first = datetime.fromisoformat(found[0].first_seen_at.replace("Z", "+00:00")).timestamp()
+    assert first == pytest.approx(T0 + expected)

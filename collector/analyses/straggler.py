@@ -47,14 +47,21 @@ class Tracker:
         self.finding: Optional[dict] = None
         self.scores: dict[int, dict] = {}  # latest window, every rank (metrics)
         self.scored_step = -1
+        # rank -> (step, started_at) since which it has been over the threshold
+        # without a whole window clear of it: the verdict's step (a rank slow
+        # from step 0 is labelled 0, not the step its window filled). The
+        # start-up steps are not scored but do say where a streak began.
+        self.since: dict[int, tuple[int, float]] = {}
+        self.early: dict[int, tuple[int, float]] = {}  # the first start-up step each rank was over
 
     def on_step(self, run: RunState, step: int, records: dict[int, wire.StepRecord]) -> None:
-        if step < SKIP_FIRST:
-            return
         times = {r: t for r, rec in records.items() if (t := own_time(rec)) is not None}
         if len(times) != len(run.ranks) or len(times) < 2:
             return
         peers = peer_medians(times)
+        if step < SKIP_FIRST:
+            self._early(step, times, peers, records)
+            return
         entry = {}
         for rank, mine in paced(times.items()):
             others = peers[rank]
@@ -63,6 +70,9 @@ class Tracker:
             entry[rank] = (mine, others, over, rec.data_s, rec.started_at)
             if over:
                 self.over[rank] = self.over.get(rank, 0) + 1
+                if rank not in self.since:
+                    self.since[rank] = self.early.get(rank, (step, rec.started_at))
+        self.early.clear()  # counts only for a rank over from the first scored step
         if len(self.window) == WINDOW:
             for rank, old in self.window[0][1].items():
                 if old[2]:
@@ -71,6 +81,7 @@ class Tracker:
                         self.over[rank] = left
                     else:
                         del self.over[rank]
+                        self.since.pop(rank, None)  # a whole window clear: a later slowness is a new one
         self.window.append((step, entry))
         if self.over:  # margin: the steps over the threshold in the window, against the persistence needed
             worst = max(self.over, key=self.over.get)
@@ -79,6 +90,14 @@ class Tracker:
             return
         if self.finding is None:
             self._evaluate(run)
+
+    def _early(self, step: int, times: dict[int, float], peers: dict[int, float],
+               records: dict[int, wire.StepRecord]) -> None:
+        """Start-up steps: not scored (bucket rebuilds, warm caches), only
+        the first on which each rank was over the threshold."""
+        for rank, mine in times.items():
+            if rank not in self.early and mine > THRESHOLD * peers[rank] and mine - peers[rank] > MIN_EXCESS_S:
+                self.early[rank] = (step, records[rank].started_at)
 
     def latest_scores(self) -> dict[int, dict]:
         """Every rank's score over the latest window (a metric): computed when
@@ -126,8 +145,11 @@ class Tracker:
         steps = [s for s, _ in self.window]
         worst_rank = max(slow, key=lambda r: slow[r]["score"])
         worst = slow[worst_rank]
-        start = worst["first_over"] if worst["first_over"] is not None else steps[0]
-        first_at = next((e[worst_rank][4] for s, e in self.window if s == start and worst_rank in e), None)
+        if worst_rank in self.since:
+            start, first_at = self.since[worst_rank]
+        else:
+            start = worst["first_over"] if worst["first_over"] is not None else steps[0]
+            first_at = next((e[worst_rank][4] for s, e in self.window if s == start and worst_rank in e), None)
         ranks = sorted(self.window[-1][1])
         if len(ranks) > 64:  # evidence stays small at any size: the slow ranks and a sample of the others
             ranks = sorted(set(slow) | set(ranks[:: max(1, len(ranks) // 64)]))
