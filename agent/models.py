@@ -436,6 +436,22 @@ class TrainedModels:
         if root not in self.roots:
             self.roots.append(root)
 
+    @guarded("models.sharded")
+    def on_sharded(self, module) -> Any:
+        """FSDP2 sharded ``module`` (agent/fsdp.py): the topmost module built
+        around it is a root from now on (its forwards are seen from step 0).
+        Returns that module."""
+        top = self._top_module(module)
+        inner, _ = unwrap(top)
+        root = self._by_module.get(id(inner))
+        if root is None:
+            root = Root(module=inner, label=type(inner).__name__)
+            self._by_module[id(inner)] = root
+        self._hook_root(root)
+        if root not in self.roots:
+            self.roots.append(root)
+        return inner
+
     def _hook_root(self, root: Root) -> None:
         handles = self.agent._hook_handles
         if not root.hooked:

@@ -43,6 +43,14 @@ class Patches:
             setattr(owner, name, wrapper)
             self._applied.append((owner, name, original, wrapper))
 
+    def adopt(self, owner: Any, name: str, original: Any) -> None:
+        """``owner.name`` already holds a wrapper of ours: it was imported
+        from a module patched before (``from ._fully_shard import
+        fully_shard``). Restored to ``original`` at undo too."""
+        wrapper = getattr(owner, name, _MISSING)
+        if getattr(wrapper, "__rankwatch_wrapped__", False) and (owner, name) not in self.names():
+            self._applied.append((owner, name, original, wrapper))
+
     def original(self, owner: Any, name: str) -> Any:
         """What ``owner.name`` was before this agent patched it (None if not patched)."""
         for patched_owner, patched_name, original, _ in self._applied:

@@ -29,6 +29,7 @@ from rankwatch.redact import redact_obj
 
 from . import bundle as bundle_mod
 from .collectives import CollectiveTracker
+from .imports import ImportWatch
 from .patching import Patches
 from .progress import Progress, _thin
 from .safety import guarded, log, log_once
@@ -140,6 +141,7 @@ class Agent:
         self._faulthandler_file = None
         self._fatal_file = None
         self.ddp_modules: list[Any] = []
+        self.imports = ImportWatch()  # patches that wait for the job's own import (agent/imports.py)
         self._roots_attached: set[int] = set()  # ids of models without DDP given the device-facing parts
         self.extensions: list[Any] = []  # parts that answer collector commands
         self.memory = None
@@ -292,6 +294,9 @@ class Agent:
             return ddp_init
 
         self.patches.apply(DistributedDataParallel, "__init__", make_ddp_init)
+        from . import fsdp
+
+        fsdp.install(self)
         self._wrap_dataloader_epochs()
         self._wrap_checkpointing()
 
@@ -337,13 +342,6 @@ class Agent:
         collector to allow for it before calling a hang."""
         import torch
 
-        targets = [(torch, "save")]
-        try:
-            import torch.distributed.checkpoint as dcp
-
-            targets += [(dcp, "save"), (dcp, "async_save")]
-        except Exception:
-            pass
         progress = self.progress
 
         def make(original):
@@ -358,8 +356,13 @@ class Agent:
 
             return save
 
-        for module, name in targets:
-            self.patches.apply(module, name, make)
+        self.patches.apply(torch, "save", make)
+
+        def dcp_saves(dcp) -> None:  # once the job imports it (~1.3 s: never imported by rankwatch)
+            for name in ("save", "async_save"):
+                self.patches.apply(dcp, name, make)
+
+        self.imports.when_imported("torch.distributed.checkpoint", dcp_saves)
 
     def _wrap_init_process_group(self) -> None:
         import torch.distributed as dist
@@ -387,6 +390,7 @@ class Agent:
         long-lived processes that detach (a Ray actor reused for another job)."""
         global _current
         self._stop.set()
+        self.imports.uninstall()
         self.patches.undo()
         for handle in self._hook_handles:
             try:
@@ -418,6 +422,19 @@ class Agent:
             if ext is not None:
                 self.extensions.append(ext)
 
+    @guarded("agent.sharded")
+    def on_model_sharded(self, module) -> None:
+        """FSDP2's ``fully_shard`` returned (agent/fsdp.py): its model is a
+        root from now on, so step 0's forward is timed, and its device's
+        memory and OOMs are watched before the first optimizer step."""
+        if self.models is not None:
+            top = self.models.on_sharded(module) or module
+        else:
+            top = module
+        if self.memory is not None and id(top) not in self._roots_attached:
+            self.memory.on_model(top)
+        self.progress.set_phase("setup")
+
     @guarded("agent.models_found")
     def _on_models_found(self) -> None:
         """A model trained without DDP (FSDP2's ``fully_shard``, FSDP1,
@@ -430,7 +447,8 @@ class Agent:
         DeepSpeed's empty partitioned ones) get no gradient checks: their
         gradients reach their hooks already reduced, and a norm of a DTensor
         may issue a collective. Found at the first optimizer step (models.py
-        discovery), so step 0 has none of this. The device side was never run
+        discovery); an FSDP2 model's root and memory come earlier, when
+        ``fully_shard`` returns (on_model_sharded), so its step 0 is watched. The device side was never run
         on a GPU: tests run it through the adapter's GPU-like double."""
         from . import grad_checks
         from .fingerprints import _plain

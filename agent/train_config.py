@@ -182,13 +182,12 @@ class TrainConfig:
             wrapper = self.agent.patches.apply(clip_grad, name, make(kind))
             if wrapper is not None:
                 self.agent.patches.alias(utils, name, original, wrapper)
-        try:
-            from torch.distributed.fsdp import FullyShardedDataParallel
+        def fsdp1_clip(fsdp) -> None:  # FSDP1's own method, once the job imports torch.distributed.fsdp
+            owner = getattr(fsdp, "FullyShardedDataParallel", None)
+            if owner is not None:
+                self.agent.patches.apply(owner, "clip_grad_norm_", lambda original: _method_clip(config, original))
 
-            self.agent.patches.apply(FullyShardedDataParallel, "clip_grad_norm_", lambda original: _method_clip(
-                config, original))
-        except Exception:
-            pass
+        self.agent.imports.when_imported("torch.distributed.fsdp", fsdp1_clip)
 
     def _patch_scaler(self) -> None:
         try:

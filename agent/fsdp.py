@@ -1,0 +1,80 @@
+"""FSDP2 (``fully_shard``): a model is known when it is sharded, so step 0 is
+watched.
+
+DDP's constructor tells the agent about a model as it is built; FSDP2 has no
+constructor, and a model it shards was found only at the first optimizer
+step (models.py discovery): the first forward, its memory and its OOM (where
+many OOMs happen) went unwatched. ``fully_shard`` is wrapped instead: after
+it returns, the topmost module the registration hooks saw built around the
+sharded one is a root (forward timing, training forwards) and its device's
+memory is watched. The gradient checks still wait for the first optimizer
+step: when the first layer is sharded the others still hold their plain
+parameters.
+
+rankwatch never imports torch.distributed.fsdp (slow, and most jobs never
+use it): the wrapper goes in when the job's own import completes
+(agent/imports.py). The homes ``fully_shard`` is exported from (torch
+2.4-2.13): ``torch.distributed.fsdp`` and its ``_fully_shard`` (2.6+),
+``torch.distributed._composable.fsdp`` (2.4+; from 2.6 it re-exports the
+former). NEVER RAN ON A GPU: tested on CPU (gloo), where the memory part has
+nothing to watch.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from typing import TYPE_CHECKING, Any
+
+from .safety import guarded
+
+if TYPE_CHECKING:
+    from .runtime import Agent
+
+HOMES = ("torch.distributed.fsdp._fully_shard", "torch.distributed.fsdp", "torch.distributed._composable.fsdp")
+
+
+class FullyShardWatch:
+    def __init__(self, agent: "Agent") -> None:
+        self.agent = agent
+        self._wrappers: dict[int, Any] = {}  # id(original) -> its wrapper: one wrapper under every name
+
+    def patch(self, module: types.ModuleType) -> None:
+        fn = getattr(module, "fully_shard", None)
+        if fn is None or isinstance(fn, types.ModuleType) or not callable(fn):
+            return
+        if getattr(fn, "__rankwatch_wrapped__", False):  # imported from a home already patched
+            self.agent.patches.adopt(module, "fully_shard", getattr(fn, "__wrapped__", fn))
+            return
+        wrapper = self._wrappers.get(id(fn))
+        if wrapper is not None:
+            self.agent.patches.alias(module, "fully_shard", fn, wrapper)
+            return
+        made = self.agent.patches.apply(module, "fully_shard", self._make)
+        if made is not None:
+            self._wrappers[id(fn)] = made
+
+    def _make(self, original):
+        watch = self
+
+        @functools.wraps(original)  # keeps fully_shard.state (torch's contract decorator)
+        def fully_shard(*args, **kwargs):
+            result = original(*args, **kwargs)
+            watch.sharded(result)
+            return result
+
+        return fully_shard
+
+    @guarded("fsdp.sharded")
+    def sharded(self, result: Any) -> None:
+        modules = result if isinstance(result, (list, tuple)) else [result]
+        for module in modules[:1024]:
+            if hasattr(module, "parameters"):
+                self.agent.on_model_sharded(module)
+
+
+def install(agent: "Agent") -> FullyShardWatch:
+    watch = FullyShardWatch(agent)
+    for name in HOMES:
+        agent.imports.when_imported(name, watch.patch)
+    return watch
