@@ -39,6 +39,7 @@ from rankwatch.wire import StepRecord
 from .device import DeferredReads
 from .grad_checks import fp32_norms
 from .safety import guarded
+from .torch_state import compiling
 
 if TYPE_CHECKING:
     from .runtime import Agent
@@ -136,7 +137,7 @@ class Fingerprinter:
     @guarded("fingerprints.buffers")
     def _after_buffer_sync(self, module, inputs) -> None:
         syncing, self._syncing = self._syncing, False
-        if not syncing or self._pending is None or _compiling():
+        if not syncing or self._pending is None or compiling():
             return
         step, param_norms = self._pending
         self._pending = None
@@ -173,13 +174,6 @@ class Fingerprinter:
             self.agent.add_fingerprint({"step": step, "names": names, "norms": norms, **extra})
 
         self.reader.submit(values, consume)
-
-
-def _compiling() -> bool:
-    try:
-        return bool(torch.compiler.is_compiling())
-    except Exception:
-        return False
 
 
 def attach(agent: "Agent", ddp) -> Optional[Fingerprinter]:

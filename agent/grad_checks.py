@@ -52,6 +52,7 @@ from . import device as device_mod
 from .device import DeferredReads
 from .patching import Patches, argument, binding_error
 from .safety import guarded, is_disabled, log
+from .torch_state import compiling, in_backward
 
 if TYPE_CHECKING:
     from .runtime import Agent
@@ -105,21 +106,6 @@ def unpatch() -> None:
     for checker in _CHECKERS:
         checker.remove()
     _CHECKERS.clear()
-
-
-def _engine_running() -> bool:
-    current = getattr(torch._C, "_current_graph_task_id", None)  # -1 outside a backward
-    try:
-        return current is not None and current() != -1
-    except Exception:
-        return False
-
-
-def _compiling() -> bool:
-    try:
-        return bool(torch.compiler.is_compiling())
-    except Exception:
-        return False
 
 
 def _patch_register_comm_hook() -> None:
@@ -244,7 +230,7 @@ class GradChecker:
         caught) and autograd never ran its end callback. Without this reset
         the next backwards would never start (one 0-d tensor per parameter
         accumulating for ever, the checks silently off)."""
-        if self._in_backward and not _engine_running():
+        if self._in_backward and not in_backward():
             self._abandon_backward()
 
     def _abandon_backward(self) -> None:
@@ -253,7 +239,7 @@ class GradChecker:
 
     # -- inside the backward (autograd thread) -----------------------------------
     def _on_grad(self, param) -> None:
-        if _compiling():  # compiled autograd traces hooks: nothing of ours in the graph
+        if compiling():  # compiled autograd traces hooks: nothing of ours in the graph
             return
         self._inspect(param)
 
@@ -407,7 +393,7 @@ class GradChecker:
 
     @guarded("grad_checks.step")
     def _on_step_end(self, record: StepRecord) -> None:
-        if self._in_backward and not _engine_running():
+        if self._in_backward and not in_backward():
             self._abandon_backward()  # a backward that raised, then a step without another backward
         sampled = self._sampled
         if sampled:
@@ -503,7 +489,7 @@ def _patch_grad_scaler() -> None:
     def make_step(original):
         @functools.wraps(original)
         def step(*args, **kwargs):
-            if not _CHECKERS or _compiling():
+            if not _CHECKERS or compiling():
                 return original(*args, **kwargs)
             progress = _CHECKERS[-1].agent.progress
             before = progress.optimizer_steps

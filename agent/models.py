@@ -55,6 +55,7 @@ import torch
 
 from . import device
 from .safety import guarded, log_once
+from .torch_state import compiling
 
 if TYPE_CHECKING:
     from .runtime import Agent
@@ -179,15 +180,6 @@ def on_host(tensor: torch.Tensor) -> bool:
     under which no tensor is on the host: the accelerator path was never run
     on a GPU here."""
     return not device.for_tensor(tensor).accelerated()
-
-
-def _compiling() -> bool:
-    if "torch._dynamo" not in sys.modules:
-        return False  # nothing compiles without dynamo loaded (and asking would load it: ~1 s)
-    try:
-        return bool(torch.compiler.is_compiling())
-    except Exception:
-        return False
 
 
 def unwrap(module: Any) -> tuple[Any, Any]:
@@ -612,7 +604,7 @@ class TrainedModels:
 
     @guarded("models.forward")
     def _ddp_pre(self, ddp, args, kwargs) -> None:
-        if _compiling():
+        if compiling():
             return None
         self._ddp_depth += 1
         root = self._by_ddp.get(id(ddp))
@@ -624,14 +616,14 @@ class TrainedModels:
 
     @guarded("models.forward")
     def _ddp_post(self, ddp, args, output) -> None:
-        if _compiling():
+        if compiling():
             return None
         self._ddp_depth = max(0, self._ddp_depth - 1)
         return None
 
     @guarded("models.forward")
     def _root_pre(self, module, args, kwargs) -> None:
-        if _compiling() or self._ddp_depth > 0 or not torch.is_grad_enabled():
+        if compiling() or self._ddp_depth > 0 or not torch.is_grad_enabled():
             return None  # inside DDP's forward: seen by its own hook
         root = self._by_module.get(id(module))
         if root is None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import collections
 import math
-import sys
 import threading
 import time
 import weakref
@@ -37,6 +36,7 @@ from rankwatch.wire import CollectiveMark, StepRecord
 
 from . import device as device_mod
 from .safety import guarded
+from .torch_state import compiling, in_backward
 
 HOLD_STEPS = 8  # step records waiting for their device values, at most
 HOLD_S = 10.0  # ... and for at most this long (a stalled device: the record goes without)
@@ -74,15 +74,6 @@ def _weak(obj: Any) -> Callable[[], Any]:
         return weakref.ref(obj)
     except TypeError:  # an optimizer-like object without weak references: keep it
         return lambda: obj
-
-
-def _engine_running() -> bool:
-    """This thread is inside an autograd backward (a hook, a reentrant backward)."""
-    current = getattr(torch._C, "_current_graph_task_id", None)
-    try:
-        return current is not None and current() != -1
-    except Exception:
-        return False
 
 
 def _queue_callback(callback: Callable[[], None]) -> None:
@@ -172,7 +163,7 @@ class Progress:
         break, no guard on a value, see CompiledSteps). The next eager hook
         counts the forward; nothing of the recording (clocks, events) is ever
         traced."""
-        if _compiling():
+        if compiling():
             self.compiled_steps.forward = True
             return None
         self.on_forward(module, inputs)
@@ -261,7 +252,7 @@ class Progress:
         later than this hook). A backward inside a backward (reentrant) is
         left to the outer one; a backward that raises never runs it (no
         compute_s for that step, never a wrong one)."""
-        if _engine_running():
+        if in_backward():
             return
         grad_fn = getattr(loss, "grad_fn", None)
         if grad_fn is None:
@@ -271,7 +262,7 @@ class Progress:
         def started(grad_outputs: Any) -> None:
             for handle in handles:
                 handle.remove()
-            if not _compiling():
+            if not compiling():
                 _queue_callback(self._backward_ended)
             return None
 
@@ -651,15 +642,6 @@ class CompiledSteps:
     forward = False  # a forward of a watched model ran in a compiled region (Progress.forward_pre_hook)
 
 
-def _compiling() -> bool:
-    if "torch._dynamo" not in sys.modules:
-        return False  # nothing compiles without dynamo loaded (and asking would load it)
-    try:
-        import torch
-
-        return bool(torch.compiler.is_compiling())
-    except Exception:
-        return False
 
 
 def _thin(items: list, key: Callable[[Any], int], limit: int) -> list:
