@@ -39,6 +39,11 @@ from .transport import CollectorUnreachable, Transport
 FAULTHANDLER_SIGNAL = signal.SIGUSR2
 EVENT_LOG_SIZE = 1024  # the agent's event log is a window (bundles carry it): the newest events ...
 FIRST_EVENT_KINDS = 64  # ... and the first event of each kind
+# Facts known at the first step, sent at once rather than with the next
+# heartbeat: a job can fail within a second (a tiny model whose uneven epochs
+# end in a collective mismatch, a gloo abort that leaves Python no last word),
+# and the cause is in these (batches per epoch, the training configuration).
+SENT_AT_ONCE = ("train_config", "loader_epoch")
 UNSENT_EVENTS_MAX = 4096  # events kept for the collector while it cannot be reached
 
 _current: Optional["Agent"] = None
@@ -134,6 +139,9 @@ class Agent:
         self._unsent_fingerprints: list[dict[str, Any]] = []
         self._heartbeat_seq = 0
         self._stop = threading.Event()
+        self._beat_soon = threading.Event()  # set with _stop too: the heartbeat loop waits on this one
+        self._beat_after_record = False
+        self.progress.record_complete.append(self._after_record)
         self._thread: Optional[threading.Thread] = None
         self._dumped_incidents: set[str] = set()
         self._lock = threading.Lock()
@@ -390,6 +398,7 @@ class Agent:
         long-lived processes that detach (a Ray actor reused for another job)."""
         global _current
         self._stop.set()
+        self._beat_soon.set()
         self.imports.uninstall()
         self.patches.undo()
         for handle in self._hook_handles:
@@ -479,6 +488,8 @@ class Agent:
             self.events_log.append(event)
             if kind not in self.first_events and len(self.first_events) < FIRST_EVENT_KINDS:
                 self.first_events[kind] = event
+                if kind in SENT_AT_ONCE:
+                    self._beat_after_record = True  # with the step record that ends (or follows) it
             self._unsent_events.append(event)
             if len(self._unsent_events) > UNSENT_EVENTS_MAX:
                 del self._unsent_events[UNSENT_EVENTS_MAX // 4: len(self._unsent_events) - UNSENT_EVENTS_MAX * 3 // 4]
@@ -573,6 +584,7 @@ class Agent:
             self.record_event("exit", exit_code=exit_code, phase=self.progress.phase)
             self.progress.set_phase("exited")
             self._stop.set()
+            self._beat_soon.set()
             self.send_heartbeat(final=True)
         except Exception:
             pass
@@ -606,6 +618,14 @@ class Agent:
     FINGERPRINTS_PER_BEAT = 4
     FULL_BEAT_EVERY = 30
 
+    def _after_record(self, record: Any) -> None:
+        """A step record is complete: if facts sent at once wait (SENT_AT_ONCE),
+        the heartbeat goes now, with the record (the collector compares ranks
+        only at steps they reported)."""
+        if self._beat_after_record:
+            self._beat_after_record = False
+            self._beat_soon.set()
+
     def _heartbeat_loop(self) -> None:
         interval = self.config.heartbeat_interval
         # The first beat goes at once: a rank that freezes early (holding the
@@ -614,7 +634,11 @@ class Agent:
             self.send_heartbeat()
         except Exception as exc:
             log(f"heartbeat error: {type(exc).__name__}: {exc}")
-        while not self._stop.wait(interval):
+        while True:
+            self._beat_soon.wait(interval)
+            if self._stop.is_set():
+                break
+            self._beat_soon.clear()
             try:
                 self.send_heartbeat()
             except Exception as exc:  # the thread must survive anything

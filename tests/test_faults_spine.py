@@ -128,6 +128,18 @@ def test_extra_collective_two_ranks_no_majority(tmp_path, train_script):
     assert first["ranks"] == [1]
 
 
+def test_uneven_epochs_of_a_tiny_model_are_named_at_step_0(tmp_path):
+    """issue 24 part 5: 30 against 20 batches per epoch with a model so small
+    that the epoch ends before a heartbeat; once reported only as the
+    collective mismatch at the epoch's end. The batches-per-epoch fact is
+    judged at step 0, the mismatch and the crash are its consequences."""
+    job = run_job(tmp_path, ["--nproc-per-node", "2", str(SCRIPTS / "uneven_epochs.py")])
+    assert job.exit_code != 0
+    (verdict,) = job.verdicts()
+    assert (verdict["kind"], verdict["step"], verdict["ranks"]) == ("config_divergence", 0, [1]), verdict
+    assert "Rank 1 had 20 batches per epoch, rank 0 had 30" in verdict["summary"], verdict["summary"]
+
+
 def test_uneven_hand_made_shards_name_every_rank_that_ran_out_of_data(tmp_path):
     """`data[rank::world]` over 350 samples, 4 ranks, batch 8, drop_last: ranks
     2, 3 get 10 batches per epoch, ranks 0, 1 get 11."""

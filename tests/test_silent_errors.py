@@ -47,7 +47,9 @@ CASES = [
     Case("eval_mode", 1, "config_divergence", [1], ("Train/eval mode", "'eval'", "silent_train.py:"),
          evidence={"differing": ["mode"]}),
     # Optimizer and schedule: the scheduler steps inside rank 0's logging block.
-    Case("sched_rank", 0, "config_divergence", [0], ("learning rate", "scheduler"), evidence={"differing": ["lr"]}),
+    # Labelled exactly (issue 24 part 5): stepped at the end of step 3, the rates differ from step 4 on.
+    Case("sched_rank", 0, "config_divergence", [0], ("learning rate", "scheduler"), start=4, bound=0,
+         evidence={"differing": ["lr"]}),
     # Optimizer and schedule: clipping only on rank 2.
     Case("clip_rank", 2, "config_divergence", [2], ("Gradient clipping", "norm 0.1"),
          evidence={"differing": ["clip"]}),
