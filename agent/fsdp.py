@@ -22,10 +22,10 @@ nothing to watch.
 
 from __future__ import annotations
 
-import functools
 import types
 from typing import TYPE_CHECKING, Any
 
+from .patching import after_call
 from .safety import guarded
 
 if TYPE_CHECKING:
@@ -50,20 +50,10 @@ class FullyShardWatch:
         if wrapper is not None:
             self.agent.patches.alias(module, "fully_shard", fn, wrapper)
             return
-        made = self.agent.patches.apply(module, "fully_shard", self._make)
+        # functools.wraps keeps fully_shard.state (torch's contract decorator)
+        made = self.agent.patches.apply(module, "fully_shard", after_call(lambda result, *a, **k: self.sharded(result)))
         if made is not None:
             self._wrappers[id(fn)] = made
-
-    def _make(self, original):
-        watch = self
-
-        @functools.wraps(original)  # keeps fully_shard.state (torch's contract decorator)
-        def fully_shard(*args, **kwargs):
-            result = original(*args, **kwargs)
-            watch.sharded(result)
-            return result
-
-        return fully_shard
 
     @guarded("fsdp.sharded")
     def sharded(self, result: Any) -> None:

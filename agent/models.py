@@ -44,7 +44,6 @@ and issues no collective.
 
 from __future__ import annotations
 
-import functools
 import re
 import sys
 import weakref
@@ -54,6 +53,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 
 from . import device
+from .patching import after_call
 from .safety import guarded, log_once
 from .torch_state import compiling
 
@@ -291,46 +291,12 @@ class TrainedModels:
         handles.append(register_optimizer_step_post_hook(self._on_optimizer_post))
         self.agent.progress.backward_extras.append(self._on_backward)
         self.agent.progress.step_extras.append(self._after_step)
-        models = self
-
-        def make_add_param_group(original):
-            @functools.wraps(original)
-            def add_param_group(*args, **kwargs):
-                result = original(*args, **kwargs)
-                if args:
-                    models._note_optimizer(args[0])
-                return result
-
-            return add_param_group
-
-        self.agent.patches.apply(torch.optim.Optimizer, "add_param_group", make_add_param_group)
-
-        def make_getstate(original):
-            @functools.wraps(original)
-            def __getstate__(*args, **kwargs):
-                state = original(*args, **kwargs)
-                try:
-                    return without_our_hooks(state)
-                except Exception:
-                    return state
-
-            return __getstate__
-
-        self.agent.patches.apply(torch.nn.Module, "__getstate__", make_getstate)
-
-        def make_compile(original):
-            @functools.wraps(original)
-            def compile(*args, **kwargs):
-                result = original(*args, **kwargs)
-                try:
-                    after_compile()
-                except Exception:
-                    pass
-                return result
-
-            return compile
-
-        self.agent.patches.apply(torch, "compile", make_compile)
+        patches = self.agent.patches
+        patches.apply(torch.optim.Optimizer, "add_param_group",
+                      after_call(lambda _, optimizer=None, *a, **k: optimizer is not None and self._note_optimizer(optimizer)))
+        patches.apply(torch.nn.Module, "__getstate__",
+                      after_call(lambda state, *a, **k: without_our_hooks(state), replaces_result=True))
+        patches.apply(torch, "compile", after_call(lambda *a, **k: after_compile()))
 
     # -- registration (build time) ------------------------------------------------------
     def _forget(self, table: dict, key: int):

@@ -69,6 +69,26 @@ class Patches:
 
 
 @functools.lru_cache(maxsize=256)
+def after_call(effect: Callable[..., Any], *, replaces_result: bool = False) -> Callable[[Callable], Callable]:
+    """A wrapper factory for ``Patches.apply``: the original runs as it
+    would, then ``effect(result, *args, **kwargs)``. An exception of the
+    effect never reaches the caller (the original's result stands); with
+    ``replaces_result``, what the effect returns is given back instead."""
+    def make(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            result = original(*args, **kwargs)
+            try:
+                changed = effect(result, *args, **kwargs)
+            except Exception:
+                return result
+            return changed if replaces_result else result
+
+        return wrapper
+
+    return make
+
+
 def _signature(fn: Callable) -> Optional[inspect.Signature]:
     try:
         return inspect.signature(fn)

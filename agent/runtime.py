@@ -30,7 +30,7 @@ from rankwatch.redact import redact_obj
 from . import bundle as bundle_mod
 from .collectives import CollectiveTracker
 from .imports import ImportWatch
-from .patching import Patches
+from .patching import Patches, after_call
 from .progress import Progress, _thin
 from .safety import guarded, log, log_once
 from .stacks import format_exception
@@ -290,18 +290,9 @@ class Agent:
 
         from torch.nn.parallel import DistributedDataParallel
 
-        agent = self
-
-        def make_ddp_init(original):
-            @functools.wraps(original)
-            def ddp_init(*args, **kwargs):
-                original(*args, **kwargs)
-                if args:  # args[0] is the DistributedDataParallel being built
-                    agent.on_ddp_created(args[0])
-
-            return ddp_init
-
-        self.patches.apply(DistributedDataParallel, "__init__", make_ddp_init)
+        # args[0] is the DistributedDataParallel being built
+        self.patches.apply(DistributedDataParallel, "__init__",
+                           after_call(lambda _, ddp, *a, **k: self.on_ddp_created(ddp)))
         from . import fsdp
 
         fsdp.install(self)
