@@ -1,5 +1,6 @@
 """The benchmark's training job: plain DDP (no rankwatch import), prints the
-steady-state mean step time of rank 0."""
+steady-state mean step time of rank 0. ``--compile``: the model under
+torch.compile (the warm-up steps include the compilation)."""
 
 import argparse
 import time
@@ -16,6 +17,7 @@ def main():
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--compile", action="store_true", help="torch.compile the DDP model (DDP's optimizer: graphs split at buckets)")
     a = p.parse_args()
     dist.init_process_group("gloo")
     torch.manual_seed(0)
@@ -23,6 +25,8 @@ def main():
     for _ in range(a.layers):
         layers += [torch.nn.Linear(a.width, a.width), torch.nn.ReLU()]
     model = DDP(torch.nn.Sequential(*layers))
+    if a.compile:
+        model = torch.compile(model)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     x = torch.randn(a.batch, a.width)
     times = []
