@@ -28,6 +28,11 @@ JOB = ROOT / "examples" / "train.py"
 def whole_job(watched: bool, steps: int, nproc: int, run_dir: Path, stamps: bool = False) -> tuple[float, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("RANKWATCH_RUN_ID", None)
+    # Bytecode as an installed package has it (pip compiles at install): with
+    # PYTHONDONTWRITEBYTECODE (set on this project's machines) every process
+    # compiled rankwatch's sources again, ~0.3 s in the launcher and in each
+    # rank that torch, precompiled, never pays. The first pair warms it.
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     launcher = ([sys.executable, "-m", "rankwatch.cli", "run", "--run-dir", str(run_dir)] if watched
                 else [sys.executable, "-m", "torch.distributed.run"])
     cmd = [*launcher, "--standalone", "--nproc-per-node", str(nproc), str(JOB), "--steps", str(steps)]
@@ -46,6 +51,7 @@ def whole_job(watched: bool, steps: int, nproc: int, run_dir: Path, stamps: bool
 def measure(repeats: int, steps: int, nproc: int) -> dict[str, float]:
     plain, watched = [], []
     with tempfile.TemporaryDirectory() as tmp:
+        whole_job(True, 1, nproc, Path(tmp) / "warm")  # bytecode written, caches warm, not counted
         for i in range(repeats):
             plain.append(whole_job(False, steps, nproc, Path(tmp) / f"p{i}")[0])
             watched.append(whole_job(True, steps, nproc, Path(tmp) / f"w{i}")[0])
