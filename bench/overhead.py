@@ -11,30 +11,23 @@ noise hits both alike; the ratio is watched / plain of the median step time.
 from __future__ import annotations
 
 import argparse
-import os
-import re
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
+
+import side_by_side
 
 HERE = Path(__file__).resolve().parent
 JOB = HERE / "step_job.py"
 
 
 def run(watched: bool, width: int, layers: int, steps: int, nproc: int, run_dir: Path,
-        compiled: bool = False) -> float:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    launcher = ([sys.executable, "-m", "rankwatch.cli", "run", "--run-dir", str(run_dir)] if watched
-                else [sys.executable, "-m", "torch.distributed.run"])
-    cmd = [*launcher, "--standalone", "--nproc-per-node", str(nproc), str(JOB), "--width", str(width),
-           "--layers", str(layers), "--steps", str(steps)] + (["--compile"] if compiled else [])
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-    match = re.search(r"STEP_TIME (\S+) MEDIAN (\S+) PARAMS (\d+)", out.stdout + out.stderr)
-    if out.returncode != 0 or not match:
-        raise SystemExit(f"benchmark job failed ({'watched' if watched else 'plain'}):\n{out.stderr[-3000:]}")
-    return float(match.group(2)), int(match.group(3))
+        compiled: bool = False) -> tuple[float, int]:
+    cmd = [*side_by_side.launcher(watched, run_dir), "--standalone", "--nproc-per-node", str(nproc), str(JOB),
+           "--width", str(width), "--layers", str(layers), "--steps", str(steps)] + (["--compile"] if compiled else [])
+    _, median, params = side_by_side.figures(cmd, side_by_side.job_env(), r"STEP_TIME (\S+) MEDIAN (\S+) PARAMS (\d+)",
+                                             "watched" if watched else "plain")
+    return float(median), int(params)
 
 
 def main() -> None:
@@ -52,13 +45,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for size in a.sizes.split(","):
             width, layers = (int(v) for v in size.split("x"))
-            plain, watched = [], []
-            params = 0
-            for i in range(a.repeats):
-                t, params = run(False, width, layers, a.steps, a.nproc, Path(tmp) / f"p{size}{i}", a.compile)
-                plain.append(t)
-                t, params = run(True, width, layers, a.steps, a.nproc, Path(tmp) / f"w{size}{i}", a.compile)
-                watched.append(t)
+            plain, watched = side_by_side.interleaved(
+                a.repeats,
+                lambda i: run(False, width, layers, a.steps, a.nproc, Path(tmp) / f"p{size}{i}", a.compile),
+                lambda i: run(True, width, layers, a.steps, a.nproc, Path(tmp) / f"w{size}{i}", a.compile))
+            params = plain[0][1]
+            plain, watched = [t for t, _ in plain], [t for t, _ in watched]
             p_med, w_med = statistics.median(plain), statistics.median(watched)
             print(f"{size:>12} {params:>10} {p_med * 1e3:>9.2f} {w_med * 1e3:>11.2f} {w_med / p_med:>7.3f}",
                   flush=True)

@@ -17,16 +17,16 @@ model.train()), gradient clipping: every part of the checks has work to do.
 from __future__ import annotations
 
 import argparse
-import os
-import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parent))
+
+import side_by_side  # noqa: E402
 
 
 def job(width: int, layers: int, steps: int, warmup: int, batch: int) -> None:
@@ -75,15 +75,11 @@ def job(width: int, layers: int, steps: int, warmup: int, batch: int) -> None:
 
 
 def run(checks: bool, width: int, layers: int, steps: int, nproc: int, run_dir: Path) -> tuple[float, int]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", RANKWATCH_SILENT_CHECKS="1" if checks else "0")
-    cmd = [sys.executable, "-m", "rankwatch.cli", "run", "--run-dir", str(run_dir), "--standalone",
-           "--nproc-per-node", str(nproc), str(HERE), "--job", "--width", str(width), "--layers", str(layers),
-           "--steps", str(steps)]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-    match = re.search(r"STEP_MEDIAN (\S+) PARAMS (\d+)", out.stdout + out.stderr)
-    if out.returncode != 0 or not match:
-        raise SystemExit(f"benchmark job failed (checks {'on' if checks else 'off'}):\n{out.stderr[-3000:]}")
-    return float(match.group(1)), int(match.group(2))
+    cmd = [*side_by_side.launcher(True, run_dir), "--standalone", "--nproc-per-node", str(nproc), str(HERE), "--job",
+           "--width", str(width), "--layers", str(layers), "--steps", str(steps)]
+    env = side_by_side.job_env(RANKWATCH_SILENT_CHECKS="1" if checks else "0")
+    median, params = side_by_side.figures(cmd, env, r"STEP_MEDIAN (\S+) PARAMS (\d+)", f"checks {'on' if checks else 'off'}")
+    return float(median), int(params)
 
 
 def main() -> None:
@@ -105,13 +101,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for size in a.sizes.split(","):
             width, layers = (int(v) for v in size.split("x"))
-            off, on = [], []
-            params = 0
-            for i in range(a.repeats):
-                t, params = run(False, width, layers, a.steps, a.nproc, Path(tmp) / f"off{size}{i}")
-                off.append(t)
-                t, params = run(True, width, layers, a.steps, a.nproc, Path(tmp) / f"on{size}{i}")
-                on.append(t)
+            off, on = side_by_side.interleaved(
+                a.repeats,
+                lambda i: run(False, width, layers, a.steps, a.nproc, Path(tmp) / f"off{size}{i}"),
+                lambda i: run(True, width, layers, a.steps, a.nproc, Path(tmp) / f"on{size}{i}"))
+            params = off[0][1]
+            off, on = [t for t, _ in off], [t for t, _ in on]
             o, n = statistics.median(off), statistics.median(on)
             print(f"{size:>10} {params:>9} {o * 1e3:>14.3f} {n * 1e3:>13.3f} {n / o:>7.3f}", flush=True)
 

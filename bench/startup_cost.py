@@ -22,6 +22,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import side_by_side  # noqa: E402
+
 JOB = ROOT / "examples" / "train.py"
 
 
@@ -33,9 +37,8 @@ def whole_job(watched: bool, steps: int, nproc: int, run_dir: Path, stamps: bool
     # compiled rankwatch's sources again, ~0.3 s in the launcher and in each
     # rank that torch, precompiled, never pays. The first pair warms it.
     env.pop("PYTHONDONTWRITEBYTECODE", None)
-    launcher = ([sys.executable, "-m", "rankwatch.cli", "run", "--run-dir", str(run_dir)] if watched
-                else [sys.executable, "-m", "torch.distributed.run"])
-    cmd = [*launcher, "--standalone", "--nproc-per-node", str(nproc), str(JOB), "--steps", str(steps)]
+    cmd = [*side_by_side.launcher(watched, run_dir), "--standalone", "--nproc-per-node", str(nproc), str(JOB),
+           "--steps", str(steps)]
     started = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines = []
@@ -49,12 +52,11 @@ def whole_job(watched: bool, steps: int, nproc: int, run_dir: Path, stamps: bool
 
 
 def measure(repeats: int, steps: int, nproc: int) -> dict[str, float]:
-    plain, watched = [], []
     with tempfile.TemporaryDirectory() as tmp:
         whole_job(True, 1, nproc, Path(tmp) / "warm")  # bytecode written, caches warm, not counted
-        for i in range(repeats):
-            plain.append(whole_job(False, steps, nproc, Path(tmp) / f"p{i}")[0])
-            watched.append(whole_job(True, steps, nproc, Path(tmp) / f"w{i}")[0])
+        plain, watched = side_by_side.interleaved(
+            repeats, lambda i: whole_job(False, steps, nproc, Path(tmp) / f"p{i}")[0],
+            lambda i: whole_job(True, steps, nproc, Path(tmp) / f"w{i}")[0])
     return {"plain_s": statistics.median(plain), "watched_s": statistics.median(watched),
             "extra_s": statistics.median(watched) - statistics.median(plain),
             "plain_all": plain, "watched_all": watched}
