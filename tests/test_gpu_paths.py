@@ -27,13 +27,12 @@ rank = dist.get_rank()
 
 
 def _script(tmp_path: Path, name: str, body: str, options: str = "", prelude: str = "") -> Path:
-    """The rank's own data: the model is built from one seed on every rank,
-    then each rank draws its batches from its own (the same batches on every
-    rank are duplicate_data, a fault of its own)."""
+    """A DDP job on the GPU-like double. Each body builds its model from one
+    seed on every rank, then seeds its batches per rank (`DATA_SEED`): the
+    same batches on every rank are duplicate_data, a fault of its own."""
     import textwrap
 
-    body = prelude + textwrap.dedent(body).replace("for step in range(", "torch.manual_seed(100 + rank)\nfor step in range(", 1)
-    return ddp_script(tmp_path, name, _DOUBLE.format(options=options) + body)
+    return ddp_script(tmp_path, name, _DOUBLE.format(options=options) + prelude + textwrap.dedent(body))
 
 
 # -- finding 7: low precision -----------------------------------------------------------
@@ -45,6 +44,7 @@ def test_a_healthy_bf16_job_has_no_verdict(tmp_path):
         model = DDP(torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.GELU(), torch.nn.Linear(256, 256),
                                         torch.nn.GELU(), torch.nn.Linear(256, 1)).to(torch.bfloat16))
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        torch.manual_seed(100 + rank)  # DATA_SEED: each rank's own batches
         for step in range(40):
             opt.zero_grad()
             x = torch.randn(32, 32, dtype=torch.bfloat16)
@@ -66,6 +66,7 @@ def test_a_healthy_fp16_job_with_loss_scaling_has_no_verdict(tmp_path):
                                         torch.nn.Linear(512, 1)).half())
         opt = torch.optim.SGD(model.parameters(), lr=1e-4)
         scale = 2.0 ** 12
+        torch.manual_seed(100 + rank)  # DATA_SEED: each rank's own batches
         for step in range(30):
             opt.zero_grad()
             x = torch.randn(64, 64).half()
@@ -92,6 +93,7 @@ def test_a_gradient_only_nan_in_a_bf16_job_is_named_on_its_rank_and_step(tmp_pat
                 return grad * float("nan")
             return grad
         model.module[2].weight.register_hook(poison)
+        torch.manual_seed(100 + rank)  # DATA_SEED: each rank's own batches
         for step in range(16):
             state["step"] = step
             opt.zero_grad()
@@ -120,6 +122,7 @@ def test_a_slow_device_is_a_straggler_though_its_host_is_not(tmp_path):
         torch.manual_seed(0)
         model = DDP(torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 1)))
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        torch.manual_seed(100 + rank)  # DATA_SEED: each rank's own batches
         for step in range(60):
             opt.zero_grad()
             model(torch.randn(32, 32)).pow(2).mean().backward()
@@ -136,6 +139,7 @@ def test_equal_devices_are_no_straggler(tmp_path):
         torch.manual_seed(0)
         model = DDP(torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 1)))
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        torch.manual_seed(100 + rank)  # DATA_SEED: each rank's own batches
         for step in range(60):
             opt.zero_grad()
             model(torch.randn(32, 32)).pow(2).mean().backward()
@@ -154,6 +158,7 @@ opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 double.snapshot = __import__("json").load(open({snapshot!r}))
 double.set_memory(double.device, 3 << 30, reserved=4 << 30)
 batch = 4096
+torch.manual_seed(100 + rank)  # DATA_SEED: each rank's own batches
 for step in range(12):
     if rank == 1 and step == 4:
         {on_rank_1}
@@ -216,6 +221,7 @@ def test_without_ddp_a_gradient_only_nan_is_named_on_its_rank_from_local_gradien
                 return grad * float("nan")
             return grad
         model[2].weight.register_hook(poison)
+        torch.manual_seed(100 + rank)  # DATA_SEED: each rank's own batches
         for step in range(14):
             state["step"] = step
             opt.zero_grad()
@@ -235,6 +241,7 @@ def test_without_ddp_a_slow_device_is_a_straggler_from_device_time(tmp_path):
         if rank == 1:
             double.extra_s = 0.06
         double.set_memory(double.device, (1 + rank) << 30, reserved=8 << 30)
+        torch.manual_seed(100 + rank)  # DATA_SEED: each rank's own batches
         for step in range(60):
             opt.zero_grad()
             model(torch.randn(32, 32)).pow(2).mean().backward()
@@ -291,6 +298,7 @@ def test_fsdp2_a_gradient_only_nan_is_named_on_its_rank_before_the_reduce_scatte
         def watch(module, args, out):
             out.register_hook(poison)  # returns None: the output is unchanged
         model[1].register_forward_hook(watch)
+        torch.manual_seed(100 + rank)  # DATA_SEED: each rank's own batches
         for step in range(12):
             loss = model(torch.randn(8, 16)).pow(2).mean()
             loss.backward()
@@ -309,6 +317,7 @@ def test_fsdp2_a_slow_device_is_a_straggler(tmp_path):
     script = _script(tmp_path, "fsdp2_slow.py", prelude=_FSDP2, body="""
         if rank == 1:
             double.extra_s = 0.06
+        torch.manual_seed(100 + rank)  # DATA_SEED: each rank's own batches
         for step in range(60):
             model(torch.randn(32, 16)).pow(2).mean().backward()
             opt.step()
