@@ -350,3 +350,24 @@ def test_a_straggler_is_labelled_with_the_step_its_slowness_began(slow_from, pat
     from datetime import datetime
     first = datetime.fromisoformat(found[0].first_seen_at.replace("Z", "+00:00")).timestamp()
     assert first == pytest.approx(T0 + expected)
+
+
+def test_profile_difference_matches_operations_across_ranks():
+    """torch's Python tracer names built-ins with their object's address,
+    which differs between processes: the healthy rank's own wait was left
+    unmatched and came out as the slow rank's largest extra time."""
+    from rankwatch.collector.analyses.straggler import profile_difference
+    from rankwatch.collector.evidence import RankEvidence
+
+    run = RunState(run_id="x", world_size=2)
+    ops = {0: [("<built-in method wait of pybind11_builtins.pybind11_detail_function_record_v1_x object at 0x7f00aa>", 430.0),
+               ("<built-in function sleep>", 0.0)],
+           1: [("<built-in method wait of pybind11_builtins.pybind11_detail_function_record_v1_x object at 0x7f11bb>", 2.0),
+               ("<built-in function sleep>", 310.0)]}
+    for rank, rows in ops.items():
+        ev = RankEvidence(rank=rank, reason="profile", created_at=T0 + rank, source="bundle", bundle_path=f"b{rank}",
+                          profile={"operations": [{"name": n, "self_ms": ms} for n, ms in rows]})
+        run.rank(rank).evidence[f"e{rank}"] = ev
+    diff = profile_difference(run, 1)
+    assert diff["operations"][0]["name"] == "<built-in function sleep>", diff["operations"]
+    assert diff["operations"][0]["extra_ms"] == 310.0

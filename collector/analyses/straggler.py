@@ -13,6 +13,7 @@ verdict.
 from __future__ import annotations
 
 import collections
+import re
 import statistics
 from typing import Optional
 
@@ -215,6 +216,18 @@ def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
     return [verdict("straggler", slow, start, first, now, summary, evidence)]
 
 
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+_PYBIND = re.compile(r"pybind11_builtins\.pybind11_detail_function_record\w*")
+
+
+def op_name(name: str) -> str:
+    """A profiler key as it reads in any process: torch's Python tracer names
+    built-ins with their object's address (`<built-in method wait of ...
+    object at 0x7f7c...>`), which differs between ranks, so the same wait
+    on two ranks never matched and was called the slow rank's extra time."""
+    return _PYBIND.sub("pybind11", _ADDRESS.sub("", name))
+
+
 def profile_difference(run: RunState, slow: int) -> Optional[dict]:
     """Operations whose time differs most between the slow rank's profiler
     trace and a healthy rank's (both taken after the verdict)."""
@@ -229,8 +242,12 @@ def profile_difference(run: RunState, slow: int) -> Optional[dict]:
         return None
     healthy, theirs = others[0]
     def table(ev):
-        return {op["name"]: float(op.get("self_ms", 0.0)) for op in ev.profile.get("operations", [])
-                if isinstance(op, dict) and "name" in op}
+        out: dict[str, float] = {}
+        for op in ev.profile.get("operations", []):
+            if isinstance(op, dict) and "name" in op:
+                name = op_name(str(op["name"]))
+                out[name] = out.get(name, 0.0) + float(op.get("self_ms", 0.0))
+        return out
     a, b = table(mine), table(theirs)
     rows = [{"name": name, "slow_ms": a.get(name, 0.0), "healthy_ms": b.get(name, 0.0),
              "extra_ms": a.get(name, 0.0) - b.get(name, 0.0)} for name in set(a) | set(b)]
