@@ -48,6 +48,17 @@ def _restore_environment():
         os.environ.update(saved)
 
 
+# CI runs a diagonal of the costly job matrices (each value of each axis
+# once); RANKWATCH_FULL_MATRIX=1 runs every combination.
+FULL_MATRIX = bool(os.environ.get("RANKWATCH_FULL_MATRIX"))
+
+
+def matrix(combinations: list, diagonal: list) -> list:
+    """The combinations a test runs: all of them with RANKWATCH_FULL_MATRIX=1,
+    else those in ``diagonal``."""
+    return [c for c in combinations if FULL_MATRIX or c in diagonal]
+
+
 def worker_env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
     env.pop("RANKWATCH_RUN_ID", None)

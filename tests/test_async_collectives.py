@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import ddp_script, run_job
+from conftest import ddp_script, matrix, run_job
 
 _BODY = """
 import os, time
@@ -61,8 +61,9 @@ for step in range(60):
 """
 
 
-@pytest.mark.parametrize("flight_recorder", [True, False], ids=["flight_recorder", "no_flight_recorder"])
-@pytest.mark.parametrize("how", ["work_wait", "future"])
+@pytest.mark.parametrize("how,flight_recorder", matrix(
+    [(how, fr) for how in ("work_wait", "future") for fr in (True, False)],
+    diagonal=[("work_wait", True), ("future", False)]))
 def test_a_hang_behind_async_collectives_is_named_from_progress(tmp_path, flight_recorder, how):
     script = ddp_script(tmp_path, "async_hang.py", _BODY)
     env = {"WAIT_HOW": how, **({} if flight_recorder else {"NO_FLIGHT_RECORDER": "1"})}

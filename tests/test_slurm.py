@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 import slurm_cluster
-from conftest import ROOT, TRAIN, free_port
+from conftest import ROOT, TRAIN, free_port, matrix
 
 pytestmark = pytest.mark.slow
 EXAMPLES = ROOT / "examples" / "slurm"
@@ -111,15 +111,9 @@ FAULTS = {
 
 # CI runs each fault on one path and each path with two faults (about 2 min
 # less); RANKWATCH_FULL_MATRIX=1 runs every fault on both paths.
-FULL_MATRIX = bool(os.environ.get("RANKWATCH_FULL_MATRIX"))
-DIAGONAL = {("exec", "healthy"), ("torchrun", "crash"), ("exec", "nan"), ("torchrun", "hang")}
-
-
-def cases(pairs):
-    return [p for p in pairs if FULL_MATRIX or p in DIAGONAL]
-
-
-@pytest.mark.parametrize("path,fault", cases([(path, fault) for path in PATHS for fault in FAULTS]))
+@pytest.mark.parametrize("path,fault", matrix([(path, fault) for path in PATHS for fault in FAULTS],
+                                              diagonal=[("exec", "healthy"), ("torchrun", "crash"), ("exec", "nan"),
+                                                        ("torchrun", "hang")]))
 def test_two_nodes_give_the_verdicts_of_rankwatch_run(cluster, tmp_path, path, fault):
     script, env = PATHS[path]
     args, kind, job_state = FAULTS[fault]
@@ -141,7 +135,7 @@ def test_two_nodes_give_the_verdicts_of_rankwatch_run(cluster, tmp_path, path, f
         assert re.search(r"rank 1 on n[12]\b", report["verdicts"][0]["summary"]), report["verdicts"][0]["summary"]
 
 
-@pytest.mark.parametrize("path", ["torchrun", "exec"] if FULL_MATRIX else ["torchrun"])
+@pytest.mark.parametrize("path", matrix(["torchrun", "exec"], diagonal=["torchrun"]))
 def test_scancel_during_training_is_a_scheduler_ending_with_no_culprit(cluster, tmp_path, path):
     script, options, env = {
         "torchrun": ("torchrun_embedded.sbatch", ["--nodes=1", "--ntasks-per-node=1"], {"PET_NPROC_PER_NODE": "2"}),
@@ -167,7 +161,7 @@ def test_scancel_during_training_is_a_scheduler_ending_with_no_culprit(cluster, 
     assert ending["source"].startswith(f"SLURM_JOB_ID {job_id}")
 
 
-@pytest.mark.parametrize("path", ["torchrun", "exec"] if FULL_MATRIX else ["exec"])
+@pytest.mark.parametrize("path", matrix(["torchrun", "exec"], diagonal=["exec"]))
 def test_a_time_limit_warning_is_a_scheduler_ending_with_no_culprit(cluster, tmp_path, path):
     """--time=1 --signal=USR1@50: Slurm sends SIGUSR1 10-40 s into the job
     (its timer ticks every 30 s); train.py does not handle it, so its ranks
