@@ -12,7 +12,9 @@ import torch
 
 def compiling() -> bool:
     """Dynamo (or compiled autograd) is tracing this call. Without
-    torch._dynamo loaded nothing compiles, and asking would load it (~1 s)."""
+    torch._dynamo loaded nothing compiles: the shortcut keeps an older
+    torch's ``is_compiling`` (which imported Dynamo) out of jobs that never
+    compile."""
     if "torch._dynamo" not in sys.modules:
         return False
     try:
