@@ -12,9 +12,8 @@ import torch
 
 def compiling() -> bool:
     """Dynamo (or compiled autograd) is tracing this call. Without
-    torch._dynamo loaded nothing compiles: the shortcut keeps an older
-    torch's ``is_compiling`` (which imported Dynamo) out of jobs that never
-    compile."""
+    torch._dynamo loaded nothing compiles, so a job that never compiles
+    asks torch nothing (a dict lookup per hook)."""
     if "torch._dynamo" not in sys.modules:
         return False
     try:
