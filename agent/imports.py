@@ -25,7 +25,6 @@ class ImportWatch(importlib.abc.MetaPathFinder):
     def __init__(self) -> None:
         self._waiting: dict[str, list[Callback]] = {}
         self._finding: set[str] = set()
-        self._installed = False
 
     def when_imported(self, name: str, fn: Callback) -> None:
         module = sys.modules.get(name)
@@ -33,9 +32,8 @@ class ImportWatch(importlib.abc.MetaPathFinder):
             _call(fn, module)
             return
         self._waiting.setdefault(name, []).append(fn)
-        if not self._installed:
+        if self not in sys.meta_path:
             sys.meta_path.insert(0, self)
-            self._installed = True
 
     def uninstall(self) -> None:
         self._waiting.clear()
@@ -43,7 +41,6 @@ class ImportWatch(importlib.abc.MetaPathFinder):
             sys.meta_path.remove(self)
         except ValueError:
             pass
-        self._installed = False
 
     def find_spec(self, name: str, path: Any = None, target: Any = None):
         if name not in self._waiting or name in self._finding:

@@ -388,8 +388,7 @@ class Agent:
         """Undo install(): patches, hooks, heartbeat thread. For tests and for
         long-lived processes that detach (a Ray actor reused for another job)."""
         global _current
-        self._stop.set()
-        self._beat_soon.set()
+        self._stop_beating()
         self.imports.uninstall()
         self.patches.undo()
         for handle in self._hook_handles:
@@ -448,7 +447,8 @@ class Agent:
         gradients reach their hooks already reduced, and a norm of a DTensor
         may issue a collective. Found at the first optimizer step (models.py
         discovery); an FSDP2 model's root and memory come earlier, when
-        ``fully_shard`` returns (on_model_sharded), so its step 0 is watched. The device side was never run
+        ``fully_shard`` returns (on_model_sharded), so its step 0 is
+        watched. The device side was never run
         on a GPU: tests run it through the adapter's GPU-like double."""
         from . import grad_checks
         from .fingerprints import _plain
@@ -574,8 +574,7 @@ class Agent:
         try:
             self.record_event("exit", exit_code=exit_code, phase=self.progress.phase)
             self.progress.set_phase("exited")
-            self._stop.set()
-            self._beat_soon.set()
+            self._stop_beating()
             self.send_heartbeat(final=True)
         except Exception:
             pass
@@ -608,6 +607,10 @@ class Agent:
     HEARTBEAT_STEP_CAP = 64
     FINGERPRINTS_PER_BEAT = 4
     FULL_BEAT_EVERY = 30
+
+    def _stop_beating(self) -> None:
+        self._stop.set()
+        self._beat_soon.set()  # the loop waits on this one
 
     def _after_record(self, record: Any) -> None:
         """A step record is complete: if facts sent at once wait (SENT_AT_ONCE),

@@ -114,8 +114,8 @@ class Tracker:
         return self.scores
 
     def _score(self, rank: int, window=None) -> dict:
-        own, peer, over, first_over = [], [], 0, None
-        for step, entry in (self.window if window is None else window):
+        own, peer, over = [], [], 0
+        for _, entry in (self.window if window is None else window):
             row = entry.get(rank)
             if row is None:
                 continue
@@ -123,12 +123,11 @@ class Tracker:
             peer.append(row[1])
             if row[2]:
                 over += 1
-                first_over = step if first_over is None else first_over
         if not own:
-            return {"score": 0.0, "own_median_s": 0.0, "peer_median_s": 0.0, "steps_over": 0, "first_over": None}
+            return {"score": 0.0, "own_median_s": 0.0, "peer_median_s": 0.0, "steps_over": 0}
         own_median, peer_median = statistics.median(own), statistics.median(peer)
         return {"score": own_median / max(peer_median, 1e-9), "own_median_s": own_median,
-                "peer_median_s": peer_median, "steps_over": over, "first_over": first_over}
+                "peer_median_s": peer_median, "steps_over": over}
 
     def _evaluate(self, run: RunState) -> None:
         # Only a rank over the threshold on most of the window can be slow.
@@ -145,12 +144,7 @@ class Tracker:
             return
         steps = [s for s, _ in self.window]
         worst_rank = max(slow, key=lambda r: slow[r]["score"])
-        worst = slow[worst_rank]
-        if worst_rank in self.since:
-            start, first_at = self.since[worst_rank]
-        else:
-            start = worst["first_over"] if worst["first_over"] is not None else steps[0]
-            first_at = next((e[worst_rank][4] for s, e in self.window if s == start and worst_rank in e), None)
+        start, first_at = self.since[worst_rank]  # a candidate has been over the threshold: never missing
         ranks = sorted(self.window[-1][1])
         if len(ranks) > 64:  # evidence stays small at any size: the slow ranks and a sample of the others
             ranks = sorted(set(slow) | set(ranks[:: max(1, len(ranks) // 64)]))
@@ -204,7 +198,7 @@ def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
                f"{worst['steps_over']} of the last {len(window)} steps; every other rank waits for it in the allreduce.")
     start = finding["start"]
     first = finding["first_at"] if finding["first_at"] is not None else now
-    evidence = {"ranks": {str(r): {k: v for k, v in d.items() if k != "first_over"} | {"window": window}
+    evidence = {"ranks": {str(r): d | {"window": window}
                           for r, d in slow.items()},
                 "phase": phase, "steps": [window[0], window[-1]],
                 "scores": dict(finding["scores"])}
