@@ -8,11 +8,24 @@ does. Score = own median / peers' median over a window (NVIDIA's straggler
 detector uses the inverse, with a 0.75 threshold); persistence = the rank is
 over the threshold on most steps of the window, so one slow step is not a
 verdict.
+
+A step counts against a rank only when its gap also clears the job's own
+jitter: the bound is THRESHOLD x e^sigma, where sigma is the step-to-step
+spread of the log time ratio, measured on this run (median |x_t - x_(t-1)|
+/ 0.954, the normal's, over the last JITTER_STEPS steps of a sample of
+ranks). Consecutive differences see jitter and not a steady gap, so a rank
+that is steadily slow does not raise its own bar. On a quiet GPU job sigma
+is a few hundredths and the bound stays ~1.33x; on an oversubscribed CPU
+host (two gloo ranks on two cores, the zoo) step times jitter by 13-20 %,
+and healthy ranks drift ~25 % apart for tens of steps as the scheduler
+moves work between cores: before, that put a healthy rank over 1.33x on 7
+of 12 steps (docs/zoo.md, hf_t5_trainer).
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import re
 import statistics
 from typing import Optional
@@ -27,6 +40,9 @@ WINDOW = 12  # steps
 PERSISTENCE = 0.75  # fraction of the window's steps that must be over the threshold
 MIN_EXCESS_S = 0.02  # ignore differences below this (timer noise, tiny steps)
 SKIP_FIRST = 3  # start-up steps (bucket rebuild, warm caches)
+JITTER_STEPS = 48  # steps of consecutive-difference samples behind the jitter estimate
+JITTER_RANKS = 64  # ranks sampled per step for it (a stride over the ranks)
+HALF_NORMAL_DIFF = 0.954  # median |a - b| of two independent N(0, s^2) draws, in units of s
 
 
 def own_time(record: wire.StepRecord) -> Optional[float]:
@@ -54,19 +70,49 @@ class Tracker:
         # start-up steps are not scored but do say where a streak began.
         self.since: dict[int, tuple[int, float]] = {}
         self.early: dict[int, tuple[int, float]] = {}  # the first start-up step each rank was over
+        # The job's own step-to-step jitter of log(own / peers): |x_t - x_(t-1)|
+        # of a sample of ranks, and each sampled rank's last x.
+        self.jitter: collections.deque[float] = collections.deque(maxlen=JITTER_STEPS * 2)
+        self.last_x: dict[int, float] = {}
+        self.sigma = 0.0
+        self.bound = THRESHOLD
+
+    def _update_jitter(self, times: dict[int, float], peers: dict[int, float]) -> None:
+        """Sample this step's log ratios and re-estimate sigma and the bound
+        (one sort of at most JITTER_STEPS x JITTER_RANKS floats a step)."""
+        ranks = sorted(times) if len(times) <= JITTER_RANKS else sorted(times)[:: len(times) // JITTER_RANKS]
+        need = JITTER_STEPS * len(ranks)
+        if self.jitter.maxlen != need:
+            self.jitter = collections.deque(self.jitter, maxlen=need)
+        for rank in ranks:
+            mine, others = times[rank], peers[rank]
+            if mine <= 0 or others <= 0:
+                continue
+            x = math.log(mine / others)
+            last = self.last_x.get(rank)
+            if last is not None:
+                self.jitter.append(abs(x - last))
+            self.last_x[rank] = x
+        if len(self.jitter) >= 8:
+            self.sigma = statistics.median(self.jitter) / HALF_NORMAL_DIFF
+            self.bound = THRESHOLD * math.exp(self.sigma)
+
+    def _over(self, mine: float, others: float) -> bool:
+        return mine > self.bound * others and mine - others > MIN_EXCESS_S
 
     def on_step(self, run: RunState, step: int, records: dict[int, wire.StepRecord]) -> None:
         times = {r: t for r, rec in records.items() if (t := own_time(rec)) is not None}
         if len(times) != len(run.ranks) or len(times) < 2:
             return
         peers = peer_medians(times)
+        self._update_jitter(times, peers)
         if step < SKIP_FIRST:
             self._early(step, times, peers, records)
             return
         entry = {}
         for rank, mine in paced(times.items()):
             others = peers[rank]
-            over = mine > THRESHOLD * others and mine - others > MIN_EXCESS_S
+            over = self._over(mine, others)
             rec = records[rank]
             entry[rank] = (mine, others, over, rec.data_s, rec.started_at)
             if over:
@@ -97,7 +143,7 @@ class Tracker:
         """Start-up steps: not scored (bucket rebuilds, warm caches), only
         the first on which each rank was over the threshold."""
         for rank, mine in times.items():
-            if rank not in self.early and mine > THRESHOLD * peers[rank] and mine - peers[rank] > MIN_EXCESS_S:
+            if rank not in self.early and self._over(mine, peers[rank]):
                 self.early[rank] = (step, records[rank].started_at)
 
     def latest_scores(self) -> dict[int, dict]:
@@ -151,6 +197,7 @@ class Tracker:
         self.finding = {
             "slow": slow, "worst_rank": worst_rank, "steps": steps, "start": start, "first_at": first_at,
             "phase": self._phase(worst_rank),
+            "bound": {"ratio": round(self.bound, 3), "jitter_sigma": round(self.sigma, 3)},
             "scores": {str(r): round(self._score(r)["score"], 3) for r in ranks},
         }
 
@@ -201,6 +248,8 @@ def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
     evidence = {"ranks": {str(r): d | {"window": window}
                           for r, d in slow.items()},
                 "phase": phase, "steps": [window[0], window[-1]],
+                # the per-step bound: THRESHOLD raised by the run's own step-to-step jitter
+                "bound": dict(finding["bound"]),
                 "scores": dict(finding["scores"])}
     diff = profile_difference(run, worst_rank)
     if diff:
