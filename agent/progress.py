@@ -383,6 +383,16 @@ class Progress:
         if self._backward_done_at is None:
             self._wait_before_backward_done += waited
 
+    def shadow_step(self) -> None:
+        """An iteration this rank took part in only by shadowing its peers'
+        collectives (DDP Join, its inputs used up: agent/join.py): a step of
+        the job with no forward, so step N stays the same iteration on every
+        rank. The parts' per-step work (``step_extras``: gradient, update,
+        configuration and weight checks) is left out: nothing was trained,
+        and this rank's weights are a step behind its peers' until Join ends
+        (`_sync_final_model`)."""
+        self._end_step(time.time(), shadow=True)
+
     def _compiled_step_seen(self) -> None:
         """An optimizer step ran inside a torch.compile'd region (see
         CompiledSteps): it ends the step now."""
@@ -390,7 +400,7 @@ class Progress:
         self.optimizer_steps += 1
         self._end_step(time.time())
 
-    def _end_step(self, now: float) -> None:
+    def _end_step(self, now: float, shadow: bool = False) -> None:
         if device_mod.capturing(self.device):
             self._end_step_in_capture(now)
             return
@@ -425,8 +435,9 @@ class Progress:
                 else:  # no device events (a capture): host time
                     record.compute_s = max(0.0, self._backward_done_at - started - self._wait_before_backward_done)
         self._take_loss(record, held)
-        for extra in self.step_extras:
-            extra(record)
+        if not shadow:
+            for extra in self.step_extras:
+                extra(record)
         batch, self._batch = self._batch, []
         if batch:
             held.waiting += 1

@@ -174,6 +174,7 @@ class Agent:
         self._install_parts()
         self._install_faulthandler()
         self._install_torch_hooks()
+        self._install_join()
         self._install_silent_checks()
         self._thread = threading.Thread(target=self._heartbeat_loop, name="rankwatch-heartbeat", daemon=True)
         self._thread.start()
@@ -185,6 +186,12 @@ class Agent:
 
         self.memory = MemoryTracker(self)
         self.extensions.append(StepProfiler(self))
+
+    @guarded("agent.join")
+    def _install_join(self) -> None:
+        from . import join
+
+        join.install(self.patches, self.progress, self.record_event)
 
     @guarded("agent.silent_checks")
     def _install_silent_checks(self) -> None:

@@ -65,6 +65,15 @@ def notes(run: RunState) -> list[str]:
                 names = event.details.get("parameters") or []
                 out.append(f"parameters that {text} (rank {rank}): {', '.join(map(str, names[:10]))}")
                 break
+    shadowed = [(rank, e) for rank in sorted(run.ranks)
+                for e in run.ranks[rank].events if e.kind == "join_shadowed"][:1]
+    for rank, event in shadowed:
+        more = len({r for r in run.ranks for e in run.ranks[r].events if e.kind == "join_shadowed"}) - 1
+        out.append(f"rank {rank}{f' and {more} other rank(s)' if more else ''} ran out of inputs in a DDP Join and "
+                   f"shadowed its peers from step {event.step}: its optimizer skipped steps they took, so its "
+                   f"state (momentum, Adam's moments and step count) differs from theirs and its weights drift "
+                   f"between Join's re-syncs, by design; weight_divergence no longer compares such a rank's "
+                   f"weights (the others are still compared among themselves)")
     for rank in sorted(run.ranks):
         event = next((e for e in run.ranks[rank].events if e.kind == "update_unjudged"), None)
         if event is not None:

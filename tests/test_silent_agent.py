@@ -353,3 +353,35 @@ def test_ddp_built_again_around_the_same_module_is_still_ddp(agent):
         model(torch.randn(4, 8)).sum().backward()
         opt.step()
     assert not _events(agent, "unreduced_backward"), [e.details for e in _events(agent, "unreduced_backward")]
+
+
+def _shadowed(agent, peers_sync: bool) -> None:
+    """Three steps, then one iteration this rank only shadows (DDP's join
+    hook, as Join runs it once its inputs ran out) while its peers take a
+    step (``peers_sync``) or a no_sync micro-batch. A world of one has no
+    peers, so their answer to the join hook's sync question is given."""
+    ddp = DDP(Net())
+    opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)
+    for _ in range(3):
+        opt.zero_grad()
+        ddp(torch.randn(4, 8)).sum().backward()
+        opt.step()
+    ddp._check_global_requires_backward_grad_sync = lambda is_joined_rank: peers_sync
+    ddp.join_hook().main_hook()
+
+
+def test_an_iteration_shadowed_in_a_join_is_a_step_of_this_rank(agent):
+    """issue 23 (the zoo's join_uneven): counted by optimizer steps alone, a
+    rank that ran out of inputs in Join fell a step behind its peers for
+    every iteration it shadowed: `collective_mismatch` at the next marked
+    step, weights compared across different steps."""
+    _shadowed(agent, peers_sync=True)
+    assert agent.progress.step == 4
+    shadow = agent.progress.recent[-1]
+    assert (shadow.step, shadow.forwards, shadow.compute_s, shadow.grad_norm) == (3, 0, None, None)
+    assert [e.step for e in _events(agent, "join_shadowed")] == [3]
+
+
+def test_a_no_sync_iteration_shadowed_in_a_join_is_a_micro_batch_not_a_step(agent):
+    _shadowed(agent, peers_sync=False)
+    assert agent.progress.step == 3 and not _events(agent, "join_shadowed")

@@ -1,8 +1,15 @@
 """An LSTM language model with truncated backpropagation through time (the
 hidden state carried across chunks, detached), gradient clipping, SGD and
-ReduceLROnPlateau on the training loss; DDP."""
+ReduceLROnPlateau on the training loss averaged over the ranks; DDP.
+
+The scheduler must see the same loss on every rank: stepped on each rank's
+own loss, the ranks cut the learning rate at different steps and the
+replicas drift apart (the zoo's first version did exactly that, and
+rankwatch named it: config_divergence on the learning rate at step 222,
+then weight_divergence)."""
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -43,7 +50,9 @@ def main():
         loss.backward()
         nn.utils.clip_grad_norm_(model.parameters(), 0.25)
         opt.step()
-        sched.step(loss.item())
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)
+        sched.step(mean_loss.item() / world)
     zc.done(a.steps)
 
 

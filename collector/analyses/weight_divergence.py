@@ -21,6 +21,13 @@ The evidence says the cause (`cause`) when it is visible:
   pipeline parallelism): their fingerprints are never compared.
 - a `config_divergence` that came first: then this verdict is its
   consequence (analyses/__init__.py).
+
+A rank that shadowed its peers in DDP's `Join` (uneven inputs: its agent's
+`join_shadowed` event, agent/join.py) skipped optimizer steps they took:
+Join re-syncs the weights when it ends, not the optimizer state, so with
+momentum or Adam its weights drift from theirs from then on, by design. Its
+fingerprints are not compared after that step (the others still are among
+themselves), and the report's notes say so (collector/report.py).
 """
 
 from __future__ import annotations
@@ -88,8 +95,13 @@ class Tracker:
         self.replicas: Optional[bool] = None  # without DDP: are the ranks replicas (start fingerprint)?
         self.unreduced: Optional[dict] = None
         self._events = StepEvents(("unreduced_backward",))
+        self.shadowed: dict[int, int] = {}  # rank -> the first step it shadowed its peers in a DDP Join
 
     def on_event(self, run: RunState, rank: int, event: wire.Event) -> None:
+        if event.kind == "join_shadowed":
+            step = event.step if isinstance(event.step, int) and event.step >= 0 else 0
+            self.shadowed[rank] = min(step, self.shadowed.get(rank, step))
+            return
         self._events.add(rank, event)
 
     def on_step(self, run: RunState, step: int, records: dict) -> None:
@@ -125,6 +137,8 @@ class Tracker:
             self.replicas = start_replicas(prints)
         # Fingerprints taken through the optimizers (no DDP) count only between replicas.
         prints = {r: fp for r, fp in prints.items() if fp.get("source") != "optimizer" or self.replicas}
+        if self.shadowed:  # a rank whose optimizer skipped steps in a Join: not a replica's state any more
+            prints = {r: fp for r, fp in prints.items() if not (r in self.shadowed and step >= self.shadowed[r])}
         if self.finding is not None or len(prints) < 2:
             return
         exact: dict[tuple, list[int]] = {}
