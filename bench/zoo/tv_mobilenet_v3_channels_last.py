@@ -1,0 +1,36 @@
+"""torchvision's `mobilenet_v3_small` (depthwise convolutions, BatchNorm,
+squeeze-excitation, Hardswish, dropout) in channels_last memory format, DDP,
+RMSprop as the torchvision reference trains MobileNetV3 (alpha 0.9, eps
+0.0316, momentum 0.9), weight decay 1e-5, StepLR; automatic mixed precision
+in bfloat16 on the CPU. Runs on PyPI's torch build (the zoo's vision venv,
+docs/zoo.md)."""
+
+import torch
+import torchvision
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import zoocommon as zc
+
+
+def main():
+    a = zc.args()
+    rank, world = zc.init(a.seed)
+    model = torchvision.models.mobilenet_v3_small(num_classes=10).to(memory_format=torch.channels_last)
+    ddp = DDP(model)
+    opt = torch.optim.RMSprop(model.parameters(), lr=1e-3, alpha=0.9, eps=0.0316, momentum=0.9, weight_decay=1e-5)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=100, gamma=0.5)
+    x_all, y_all = zc.images(1024, size=32, seed=a.seed * 10 + rank)
+    for step in range(a.steps):
+        i = (step * 16) % 1024
+        x = x_all[i:i + 16].contiguous(memory_format=torch.channels_last)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(ddp(x), y_all[i:i + 16])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+    zc.done(a.steps)
+
+
+if __name__ == "__main__":
+    main()
