@@ -34,7 +34,7 @@ from typing import Optional
 from rankwatch import wire
 
 from ..state import RunState
-from .common import note_margin, paced, peer_medians, ranks_text, register_tracker, settle, tracker, verdict
+from .common import margins, note_margin, paced, peer_medians, ranks_text, register_tracker, settle, tracker, verdict
 
 RATIO = 10.0  # times the peers' median, the rank's own median and the run's median
 MAD_SCALE = 1.4826
@@ -120,10 +120,8 @@ class Tracker:
             spiked[rank] = {"grad_norm": value, "peer_median": peer_median, "own_median": own_median,
                             "ratio_to_peers": ratio, "run_median": run_median,
                             "largest_healthy_ratio": self.peak_ratio or None}
-        if not partial and len(at_step) > 1:  # margin: the largest ratio to the peers against the run's bound
-            top = max(at_step, key=lambda r: at_step[r] / max(peers[r], 1e-12))
-            peak_bound = max(RATIO, MARGIN * self.peak_ratio, EARLY_RATIO if len(self.ratios) < EARLY_VALUES else 0.0)
-            note_margin(run, "grad_spike", at_step[top] / max(peers[top], 1e-12) / peak_bound, step, top)
+        if not partial and len(at_step) > 1:
+            self._note_margin(run, step, at_step, peers)
         size = self.full_size if partial else len(at_step)
         minority = len(spiked) < size / 2 or (size == 2 and len(spiked) == 1)
         if spiked and minority:
@@ -147,6 +145,29 @@ class Tracker:
                 self.ratios.append(at_step[rank] / max(peers[rank], 1e-12))
         self.peak_ratio = max(self.peak_ratio, max((at_step[r] / max(peers[r], 1e-12) for r in at_step if r in peers),
                                                    default=0.0))
+
+
+    def _note_margin(self, run: RunState, step: int, at_step: dict[int, float], peers: dict[int, float]) -> None:
+        """How close the step's most outlying rank came to a verdict. A spike
+        must beat all three bounds (its peers, the run's median norm, its own
+        history), so the margin is the smallest of its three ratios to them:
+        one test alone (a rank 5x its peers on a step whose norm is ordinary
+        for the run) is not half a spike. The other two are computed only
+        when the peers' ratio would raise the run's margin."""
+        top = max(at_step, key=lambda r: at_step[r] / max(peers[r], 1e-12))
+        value = at_step[top]
+        ratio_bound = max(RATIO, MARGIN * self.peak_ratio, EARLY_RATIO if len(self.ratios) < EARLY_VALUES else 0.0)
+        margin = value / max(peers[top], 1e-12) / ratio_bound
+        if margin <= margins(run).get("grad_spike", {}).get("margin", 0.0):
+            return
+        if self.norms:  # the run's median norm (one sort of the window, only on a new worst step)
+            margin = min(margin, value / (RATIO * max(statistics.median(self.norms), 1e-12)))
+        own = self.history.get(top)
+        if own and len(own) >= WARMUP:
+            own_median = statistics.median(own)
+            own_mad = statistics.median(abs(v - own_median) for v in own) * MAD_SCALE
+            margin = min(margin, value / max(RATIO * own_median, own_median + MAD_K * own_mad, 1e-12))
+        note_margin(run, "grad_spike", margin, step, top)
 
 
 register_tracker("grad_spike", Tracker)
