@@ -73,16 +73,16 @@ JOBS = [
         "vision: ConvNeXt (LayerNorm, stochastic depth 0.2, layer scale); AdamW, OneCycle", minutes=0.3),
     Job("tv_resnet18", ("torchvision",), "plain DDP loop", 2,
         "vision: torchvision resnet18 (BatchNorm, bias-free convs); SGD Nesterov, label smoothing, warmup+cosine, "
-        "transforms.v2 augmentation", venv="vision", minutes=0.6),
+        "transforms.v2 augmentation", venv="vision", minutes=1.2),
     Job("tv_mobilenet_v3_channels_last", ("torchvision",), "plain DDP loop", 2,
-        "vision: torchvision mobilenet_v3_small (depthwise, BatchNorm, SE), channels_last, bf16 autocast; RMSprop, "
-        "StepLR", venv="vision", minutes=0.6),
+        "vision: torchvision mobilenet_v3_small (depthwise, BatchNorm, SE), channels_last; RMSprop, StepLR",
+        venv="vision", minutes=1.5),
     Job("timm_vit_ema", ("timm", "torchvision"), "plain DDP loop (timm's train.py parts)", 2,
         "vision: timm ViT (LayerNorm, stochastic depth), Mixup/CutMix, ModelEmaV3, create_optimizer_v2 AdamW, "
-        "CosineLRScheduler per update, dispatch_clip_grad", venv="vision", minutes=0.6),
+        "CosineLRScheduler per update, dispatch_clip_grad", venv="vision", minutes=1.6),
     Job("timm_convnext_lamb", ("timm", "torchvision"), "plain DDP loop (timm's train.py parts)", 2,
         "vision: timm convnext_atto (LayerNorm, layer scale, stochastic depth), channels_last; LAMB, "
-        "CosineLRScheduler per epoch, accumulation with no_sync", venv="vision", minutes=0.6),
+        "CosineLRScheduler per epoch, accumulation with no_sync", venv="vision", minutes=2.5),
     Job("hf_gpt2_trainer", ("transformers",), "transformers.Trainer", 2,
         "language: GPT-2 (tied embeddings) through Trainer; cosine warmup; evaluation on all ranks", minutes=0.4),
     Job("hf_gpt2_dynamic_padding", ("transformers",), "plain DDP loop", 2,

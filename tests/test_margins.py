@@ -75,3 +75,18 @@ def test_grad_spike_margin_is_the_closest_the_step_came_to_all_three_bounds():
                                                     rss_bytes=1 << 30))
     margin = _margins(run)["grad_spike"]
     assert margin["margin"] <= 0.15, margin
+
+
+def test_memory_growth_margin_counts_the_peers_test():
+    """Every rank's allocator grows alike at first (the zoo's torchvision
+    jobs: +0.6 MiB a step on both ranks for a few dozen steps): a leak must
+    also outgrow its peers, so that is not 0.6 of one."""
+    run = RunState(run_id="w", world_size=2)
+    for step in range(40):
+        for rank in range(2):
+            rss = (1 << 30) + step * (600 << 10) + rank * (4 << 10) * (step % 3)
+            run.rank(rank).add_step(wire.StepRecord(step=step, started_at=T0 + step, ended_at=T0 + step + 0.1,
+                                                    compute_s=0.05, data_s=0.001, loss=1.0, grad_norm=1.0,
+                                                    rss_bytes=rss))
+    margin = _margins(run)["memory_growth"]
+    assert margin["margin"] <= 0.25, margin

@@ -16,7 +16,7 @@ from rankwatch import wire
 from rankwatch.memory_snapshot import human
 
 from ..state import RunState
-from .common import note_margin, paced, ranks_text, register_tracker, settle, tracker, verdict
+from .common import margins, note_margin, paced, ranks_text, register_tracker, settle, tracker, verdict
 
 SKIP_FIRST = 5
 MIN_STEPS = 15
@@ -68,15 +68,21 @@ class Series:
     def __len__(self) -> int:
         return self._count
 
+    def growth_per_step(self) -> float:
+        """O(1): the overall growth per step over the window (0 before 2 points)."""
+        n = self._count
+        if n < 2:
+            return 0.0
+        first, last = self._head, self._at(n - 1)
+        return (self._values[last] - self._values[first]) / max(1, self._steps[last] - self._steps[first])
+
     def margin(self) -> float:
         """O(1): the smaller of the share of growing steps against STEADY and
         the overall growth per step against MIN_SLOPE (0 before MIN_STEPS)."""
         n = self._count
         if n < MIN_STEPS:
             return 0.0
-        first, last = self._head, self._at(n - 1)
-        growth = (self._values[last] - self._values[first]) / max(1, self._steps[last] - self._steps[first])
-        return min(self.ups / (STEADY * (n - 1)), growth / MIN_SLOPE)
+        return min(self.ups / (STEADY * (n - 1)), self.growth_per_step() / MIN_SLOPE)
 
     def candidate(self) -> bool:
         """Cheap necessary conditions before the Theil-Sen slope: enough
@@ -143,15 +149,25 @@ class Tracker:
                 self._evaluate(run, field)
 
     def _margin(self, run: RunState, field: str, step: int) -> None:
-        """How close a rank came: the smaller of its share of growing steps
-        against STEADY and its overall growth per step against MIN_SLOPE (both
-        are needed; a candidate's Theil-Sen slope against its peers is the
-        final test, and is not more lenient)."""
+        """How close a rank came: the smallest of its share of growing steps
+        against STEADY, its overall growth per step against MIN_SLOPE and that
+        growth against what its peers' would have to stay under (4x theirs +
+        MIN_SLOPE / 2), as a leak must pass all three: ranks that grow alike
+        (allocators warming up on every rank) are not half a leak. The peers'
+        growth is read only when the first two would raise the run's margin."""
+        per_rank = self.series[field]
         best, best_rank = 0.0, None
-        for rank, series in paced(self.series[field].items()):
+        for rank, series in paced(per_rank.items()):
             margin = series.margin()
             if margin > best:
                 best, best_rank = margin, rank
+        if best_rank is None or best <= margins(run).get("memory_growth", {}).get("margin", 0.0):
+            return
+        others = [r for r in per_rank if r != best_rank and len(per_rank[r]) >= MIN_STEPS]
+        if others:
+            sample = others if len(others) <= PEER_SAMPLE else others[:: len(others) // PEER_SAMPLE]
+            peer_growth = statistics.median(per_rank[r].growth_per_step() for r in sample)
+            best = min(best, per_rank[best_rank].growth_per_step() / (4 * max(peer_growth, 0.0) + MIN_SLOPE / 2))
         note_margin(run, "memory_growth", best, step, best_rank)
 
     def _evaluate(self, run: RunState, field: str) -> None:
