@@ -201,13 +201,16 @@ class Agent:
         (fingerprints through the optimizers)."""
         from . import batch_fingerprints, fingerprints, loaders, models, train_config, update_checks
 
-        self.models = models.attach(self)
+        emit, progress, patches = self.record_event, self.progress, self.patches
+        self.models = models.attach(config=self.config, progress=progress, patches=patches,
+                                    hook_handles=self._hook_handles, ddp_modules=self.ddp_modules)
         if self.models is not None:
             self.models.on_discovered.append(self._on_models_found)
-        self.loaders = loaders.attach(self)
-        self.train_config = train_config.attach(self, self.models, self.loaders)
-        batch_fingerprints.attach(self, self.models, self.loaders)
-        update_checks.attach(self, self.models)
+        self.loaders = loaders.attach(config=self.config, patches=patches)
+        self.train_config = train_config.attach(self.models, self.loaders, emit=emit, progress=progress,
+                                                patches=patches, imports=self.imports)
+        batch_fingerprints.attach(self.models, self.loaders, emit=emit, progress=progress)
+        update_checks.attach(self.models, emit=emit, progress=progress, patches=patches)
         fingerprints.attach_optimizers(self, self.models)
 
     @guarded("agent.blackbox")
