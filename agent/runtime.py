@@ -211,7 +211,8 @@ class Agent:
                                                 patches=patches, imports=self.imports)
         batch_fingerprints.attach(self.models, self.loaders, emit=emit, progress=progress)
         update_checks.attach(self.models, emit=emit, progress=progress, patches=patches)
-        fingerprints.attach_optimizers(self, self.models)
+        fingerprints.attach_optimizers(self.models, config=self.config, progress=progress,
+                                       add_fingerprint=self.add_fingerprint, ddp_modules=self.ddp_modules)
 
     @guarded("agent.blackbox")
     def _install_blackbox(self) -> None:
@@ -426,10 +427,16 @@ class Agent:
 
         if self.memory is not None:
             self.memory.on_model(ddp)
-        for attach in (grad_checks.attach, fingerprints.attach, gradient_flow.attach):
-            ext = attach(self, ddp)
-            if ext is not None:
-                self.extensions.append(ext)
+        config, emit, progress = self.config, self.record_event, self.progress
+        self._extend(grad_checks.attach(ddp, config=config, emit=emit, progress=progress,
+                                        collectives=self.collectives))
+        self._extend(fingerprints.attach(ddp, config=config, progress=progress, add_fingerprint=self.add_fingerprint))
+        self._extend(gradient_flow.attach(ddp, config=config, emit=emit, progress=progress))
+
+    def _extend(self, ext: Any) -> None:
+        """A part that answers collector commands (or takes part in the exit), when one was made."""
+        if ext is not None:
+            self.extensions.append(ext)
 
     @guarded("agent.sharded")
     def on_model_sharded(self, module) -> None:
@@ -476,9 +483,8 @@ class Agent:
             if named and not all(_plain(p) for _, p in named):
                 named = _fsdp2_unsharded(root.module, dict((id(p), n) for n, p in named))
             if named and all(_plain(p) for _, p in named):
-                checker = grad_checks.attach_parameters(self, named)
-                if checker is not None:
-                    self.extensions.append(checker)
+                self._extend(grad_checks.attach_parameters(named, config=self.config, emit=self.record_event,
+                                                           progress=self.progress, collectives=self.collectives))
 
     # -- events --------------------------------------------------------------------
     def record_event(self, kind: str, step: Optional[int] = None, **details: Any) -> wire.Event:
