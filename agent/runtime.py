@@ -306,7 +306,7 @@ class Agent:
                            after_call(lambda _, ddp, *a, **k: self.on_ddp_created(ddp)))
         from . import fsdp
 
-        fsdp.install(self)
+        fsdp.install(patches=self.patches, imports=self.imports, on_sharded=self.on_model_sharded)
         self._wrap_dataloader_epochs()
         self._wrap_checkpointing()
 
