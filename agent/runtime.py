@@ -184,8 +184,9 @@ class Agent:
         from .memory import MemoryTracker
         from .profiler import StepProfiler
 
-        self.memory = MemoryTracker(self)
-        self.extensions.append(StepProfiler(self))
+        self.memory = MemoryTracker(config=self.config, emit=self.record_event, progress=self.progress,
+                                    run_dir=self.run_dir, rank=self.identity.rank)
+        self.extensions.append(StepProfiler(progress=self.progress, memory=self.memory, send_bundle=self.send_bundle))
 
     @guarded("agent.join")
     def _install_join(self) -> None:
@@ -516,6 +517,22 @@ class Agent:
             self._unsent_fingerprints.append(fingerprint)
             del self._unsent_fingerprints[:-64]
 
+    # -- bundles -------------------------------------------------------------------
+    def build_bundle(self, reason: str, incident: str, exception: Optional[dict] = None,
+                     extra_members: Optional[dict[str, Any]] = None) -> bytes:
+        """This rank's bundle now (agent/bundle.py), from the parts it reads."""
+        return bundle_mod.build(reason, incident, exception, extra_members, identity=self.identity,
+                                progress=self.progress, collectives=self.collectives,
+                                recent_events=self.recent_events, memory=self.memory, run_dir=self.run_dir)
+
+    def send_bundle(self, reason: str, incident: str, *, exception: Optional[dict] = None,
+                    extra_members: Optional[dict[str, Any]] = None, timeout: float = 5.0) -> str:
+        """Build this rank's bundle and deliver it (the collector, else the
+        run dir's spool). Returns where it went."""
+        archive = self.build_bundle(reason, incident, exception, extra_members)
+        return bundle_mod.deliver(archive, incident, timeout, identity=self.identity, transport=self.transport,
+                                  run_dir=self.run_dir, emit=self.record_event)
+
     def on_exception(self, exc: BaseException) -> None:
         """The user's script raised: record it (as torchelastic's @record does),
         send a crash bundle, then let the exception continue."""
@@ -537,8 +554,7 @@ class Agent:
                 reason, members = "oom", oom[1]
             incident = f"{reason}-r{self.identity.rank}-{uuid.uuid4().hex[:8]}"
             self.send_heartbeat(final=False)
-            archive = bundle_mod.build(self, reason, incident, exception=info, extra_members=members)
-            bundle_mod.deliver(self, archive, incident, timeout=3.0)
+            self.send_bundle(reason, incident, exception=info, extra_members=members, timeout=3.0)
         except Exception as inner:
             log(f"could not record the exception: {type(inner).__name__}: {inner}")
 
@@ -606,8 +622,7 @@ class Agent:
                 return
             self.record_event("oom", **oom[0])
             incident = f"oom-r{self.identity.rank}-{uuid.uuid4().hex[:8]}"
-            archive = bundle_mod.build(self, "oom", incident, extra_members=oom[1])
-            bundle_mod.deliver(self, archive, incident, timeout=3.0)
+            self.send_bundle("oom", incident, extra_members=oom[1], timeout=3.0)
         except Exception as exc:
             log(f"could not record the OOM: {type(exc).__name__}: {exc}")
 
@@ -795,8 +810,7 @@ class Agent:
 
     def _dump(self, command: wire.Command) -> None:
         try:
-            archive = bundle_mod.build(self, command.reason or "request", command.incident)
-            bundle_mod.deliver(self, archive, command.incident)
+            self.send_bundle(command.reason or "request", command.incident)
         except Exception as exc:
             log(f"bundle for {command.incident} failed: {type(exc).__name__}: {exc}")
 
