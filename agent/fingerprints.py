@@ -178,7 +178,8 @@ class Fingerprinter:
         self.reader.submit(values, consume)
 
 
-def attach(ddp, *, config: Config, progress: "StepProgress", add_fingerprint: "AddFingerprint") -> Optional[Fingerprinter]:
+def attach(ddp, *, config: Config, progress: "StepProgress",
+           add_fingerprint: "AddFingerprint") -> Optional[Fingerprinter]:
     every = config.fingerprint_every
     if every <= 0:
         return None
@@ -208,11 +209,9 @@ class OptimizerFingerprinter:
     differ are not replicas (model or pipeline parallelism, sharding): their
     fingerprints are not compared. Then every N steps, like the DDP
     fingerprints (``"source": "optimizer"``), under the same cost budget.
-    Used only on ranks without a DDP model (one fingerprint stream a rank).
+    Used only on ranks without a DDP model (one fingerprint stream a rank):
+    ``ddp_modules`` is the runtime's list of the DDP wrappers built so far.
     """
-
-    """``ddp_modules``: the DDP wrappers built so far (the runtime's list):
-    while it is empty this rank has no DDP model."""
 
     def __init__(self, models, every: int, *, config: Config, progress: "StepProgress",
                  add_fingerprint: "AddFingerprint", ddp_modules: list[Any]) -> None:
@@ -263,7 +262,7 @@ class OptimizerFingerprinter:
             if values is None:
                 return  # not readable (a graph capture, a stalled device)
             self.add_fingerprint({"step": step, "names": names, "norms": values, "at": "start",
-                                        "source": "optimizer"})
+                                  "source": "optimizer"})
 
         self.reader.submit(norms, consume)
 

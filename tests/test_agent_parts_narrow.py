@@ -117,9 +117,8 @@ def test_no_part_imports_the_runtime_or_receives_the_agent():
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):
                 module = node.module or ""
-                if (node.level and (module == "runtime" or (not module and any(a.name == "runtime" for a in node.names)))
-                        or module.endswith("agent.runtime")
-                        or (module.endswith("agent") and any(a.name == "runtime" for a in node.names))):
+                names = {a.name for a in node.names}
+                if (module.endswith("runtime") or ("runtime" in names and (not module or module.endswith("agent")))):
                     offences.append(f"{path.name}:{node.lineno} imports the runtime")
             elif isinstance(node, ast.Import):
                 if any(a.name.endswith("agent.runtime") for a in node.names):
