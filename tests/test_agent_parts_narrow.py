@@ -99,6 +99,15 @@ def test_a_loader_tracker_patches_through_the_registry_it_is_given():
     assert [name for _, name in patches.applied] == ["__next__", "__enter__"]
 
 
+def test_the_progress_tracker_has_all_the_parts_use_of_it():
+    from rankwatch.agent import ports
+    from rankwatch.agent.progress import Progress
+
+    members = [n for n in vars(ports.StepProgress) if not n.startswith("_")] + list(ports.StepProgress.__annotations__)
+    progress = Progress()
+    assert len(members) > 10 and [n for n in members if not hasattr(progress, n)] == []
+
+
 def _annotation_names(node: Optional[ast.expr]) -> set[str]:
     if node is None:
         return set()
