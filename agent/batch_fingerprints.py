@@ -41,7 +41,7 @@ from .safety import guarded
 
 if TYPE_CHECKING:
     from .loaders import LoaderInfo, LoaderTracker
-    from .runtime import Agent
+    from .ports import Emit, StepProgress
 
 MASK = (1 << 52) - 1
 ROWS = 8
@@ -88,8 +88,10 @@ def first_tensor(args: Any, kwargs: Any, depth: int = 0) -> Optional[torch.Tenso
 
 
 class BatchFingerprints:
-    def __init__(self, agent: "Agent", models: TrainedModels, loaders: Optional["LoaderTracker"]) -> None:
-        self.agent = agent
+    def __init__(self, models: TrainedModels, loaders: Optional["LoaderTracker"], *, emit: "Emit",
+                 progress: "StepProgress") -> None:
+        self.emit = emit
+        self.progress = progress
         self.models = models
         self.loaders = loaders
         self._index: dict[tuple, torch.Tensor] = {}
@@ -103,7 +105,7 @@ class BatchFingerprints:
         self._reported = False
         models.on_training_forward.append(self._on_forward)
         models.on_training_backward.append(self._on_backward)
-        agent.progress.step_extras.append(self._on_step_end)
+        progress.step_extras.append(self._on_step_end)
 
     # -- sampling -----------------------------------------------------------------------------
     def _positions(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -199,7 +201,7 @@ class BatchFingerprints:
             record.batch_fp = _combine(slots)
             self._judge(record.step, record.batch_fp, loader, state)
 
-        self.agent.progress.defer([s[1] for s in unread], guarded("batch_fingerprints.read")(consume))
+        self.progress.defer([s[1] for s in unread], guarded("batch_fingerprints.read")(consume))
 
     def _judge(self, step: int, fp: Optional[int], loader: Optional["LoaderInfo"],
                state: Optional[tuple[int, int]]) -> None:
@@ -219,9 +221,9 @@ class BatchFingerprints:
         iterators = [h[3][1] for h in self._history if h[3] is not None]
         fresh = len(iterators) == len(self._history) and all(b > a for a, b in zip(iterators, iterators[1:]))
         self._reported = True
-        self.agent.record_event("batch_repeat", step=first[0] + 1, repeats=len(self._history),
-                                first_step=first[0], batches_per_epoch=loader.batches,
-                                new_iterator_every_step=fresh, sampler=loader.sampler, dataset=loader.dataset)
+        self.emit("batch_repeat", step=first[0] + 1, repeats=len(self._history), first_step=first[0],
+                  batches_per_epoch=loader.batches, new_iterator_every_step=fresh, sampler=loader.sampler,
+                  dataset=loader.dataset)
 
 
 def _digest(header: bytes, values: bytes) -> int:
@@ -236,7 +238,8 @@ def _combine(slots: list[list[Any]]) -> int:
     return hash(tuple(s[0] for s in slots)) & MASK
 
 
-def attach(agent: "Agent", models: Optional[TrainedModels], loaders: Optional["LoaderTracker"]) -> Optional[BatchFingerprints]:
+def attach(models: Optional[TrainedModels], loaders: Optional["LoaderTracker"], *, emit: "Emit",
+           progress: "StepProgress") -> Optional[BatchFingerprints]:
     if models is None:
         return None
-    return BatchFingerprints(agent, models, loaders)
+    return BatchFingerprints(models, loaders, emit=emit, progress=progress)

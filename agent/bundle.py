@@ -10,7 +10,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from rankwatch import __version__, wire
 from rankwatch.bundles import pack
@@ -21,15 +21,18 @@ from .stacks import python_stacks
 from .transport import CollectorUnreachable
 
 if TYPE_CHECKING:
-    from .runtime import Agent
+    from .collectives import CollectiveTracker
+    from .memory import MemoryTracker
+    from .ports import Emit
+    from .progress import Progress
+    from .transport import Transport
 
 
-def memory_state(agent: Optional["Agent"] = None) -> dict[str, Any]:
+def memory_state(tracker: Optional["MemoryTracker"] = None) -> dict[str, Any]:
     """Host memory, and the allocator's counters of the device the model's
     tensors are on (not the current device: a script that never called
     set_device has GPU 0 current while its tensors live on GPU k)."""
     state: dict[str, Any] = {"rss_bytes": _rss_bytes(), "host_available_bytes": _host_available()}
-    tracker = getattr(agent, "memory", None)
     device = getattr(tracker, "device", None)
     if device is None:
         return state
@@ -66,18 +69,21 @@ def _host_available() -> Optional[int]:
     return None
 
 
-def build(agent: "Agent", reason: str, incident: str, exception: Optional[dict] = None,
-          extra_members: Optional[dict[str, Any]] = None) -> bytes:
+def build(reason: str, incident: str, exception: Optional[dict] = None, extra_members: Optional[dict[str, Any]] = None,
+          *, identity: wire.RankIdentity, progress: "Progress", collectives: "CollectiveTracker",
+          recent_events: Callable[[], list[wire.Event]], memory: Optional["MemoryTracker"],
+          run_dir: Optional[str]) -> bytes:
+    """The rank's bundle: ``recent_events()`` gives the event window it carries
+    (agent/runtime.py `Agent.recent_events`); ``memory``, the device whose
+    allocator counters it carries (None: host memory only)."""
     import torch
 
-    ident = agent.identity
-    progress = agent.progress
     manifest = wire.BundleManifest(
-        run_id=ident.run_id,
-        rank=ident.rank,
-        local_rank=ident.local_rank,
-        world_size=ident.world_size,
-        host=ident.host or socket.gethostname(),
+        run_id=identity.run_id,
+        rank=identity.rank,
+        local_rank=identity.local_rank,
+        world_size=identity.world_size,
+        host=identity.host or socket.gethostname(),
         pid=os.getpid(),
         step=progress.step,
         created_at=time.time(),
@@ -87,10 +93,10 @@ def build(agent: "Agent", reason: str, incident: str, exception: Optional[dict] 
         torch_version=torch.__version__,
         rankwatch_version=__version__,
         python_version=platform.python_version(),
-        node_rank=ident.node_rank,
-        attempt=ident.attempt,
+        node_rank=identity.node_rank,
+        attempt=identity.attempt,
     )
-    fr_dump, fr_error = agent.collectives.full_dump()
+    fr_dump, fr_error = collectives.full_dump()
     if fr_error:
         manifest.notes.append(fr_error)
     # The deques and dicts below belong to the training thread, which keeps
@@ -99,12 +105,12 @@ def build(agent: "Agent", reason: str, incident: str, exception: Optional[dict] 
     # C calls under the GIL), and only the snapshot is iterated in Python.
     steps = tuple(progress.recent)
     marks = tuple(progress.marks)
-    calls = [dict(call) for call in tuple(agent.collectives.calls)]
+    calls = [dict(call) for call in tuple(collectives.calls)]
     members: dict[str, Any] = {
         "stacks.json": python_stacks(),
         "collectives.json": {
             "python_calls": calls,
-            "pg_status": agent.collectives.pg_status(),
+            "pg_status": collectives.pg_status(),
             "flight_recorder": fr_dump is not None,
         },
         "flight_recorder.json": fr_dump,
@@ -119,39 +125,40 @@ def build(agent: "Agent", reason: str, incident: str, exception: Optional[dict] 
                 "last_progress_at": progress.last_progress_at,
                 "started_at": progress.started_at,
             },
-            "events": [wire.to_dict(e) for e in agent.recent_events()],
+            "events": [wire.to_dict(e) for e in recent_events()],
         },
         "env.json": redact_env(dict(os.environ)),
-        "memory.json": memory_state(agent),
+        "memory.json": memory_state(memory),
         "exception.json": redact_obj(exception) if exception else None,
         "runtime.json": {"argv": redact_obj(list(sys.argv)), "python": sys.version, "executable": sys.executable},
     }
     from .collectives import timeout_dump_members, timeout_dump_prefix
 
-    members.update(timeout_dump_members(ident.rank, timeout_dump_prefix(agent.run_dir)))
+    members.update(timeout_dump_members(identity.rank, timeout_dump_prefix(run_dir)))
     for name, content in (extra_members or {}).items():
         members[name] = content
     return pack(manifest, members)
 
 
-def deliver(agent: "Agent", archive: bytes, incident: str, timeout: float = 5.0) -> str:
-    """Upload to the collector; on failure keep it in the run dir's spool.
-    Returns where it went."""
-    ident = agent.identity
-    if agent.transport.configured:
+def deliver(archive: bytes, incident: str, timeout: float = 5.0, *, identity: wire.RankIdentity,
+            transport: "Transport", run_dir: Optional[str], emit: "Emit") -> str:
+    """Upload to the collector; on failure keep it in the run dir's spool
+    (``emit``: an `evidence_lost` event when that fails too). Returns where
+    it went."""
+    if transport.configured:
         try:
-            agent.transport.post(
+            transport.post(
                 "/v1/bundles",
                 archive,
                 content_type="application/gzip",
-                headers={"X-Rankwatch-Run": ident.run_id, "X-Rankwatch-Rank": str(ident.rank),
+                headers={"X-Rankwatch-Run": identity.run_id, "X-Rankwatch-Rank": str(identity.rank),
                          "X-Rankwatch-Incident": incident},
                 timeout=timeout,
             )
             return "collector"
         except CollectorUnreachable:
             pass
-    path = spool_path(agent.run_dir, incident, ident.rank)
+    path = spool_path(run_dir, incident, identity.rank)
     if path is None:
         log_once("bundle.lost", "bundle could not be delivered: no collector and no run dir")
         return "lost"
@@ -168,7 +175,7 @@ def deliver(agent: "Agent", archive: bytes, incident: str, timeout: float = 5.0)
             pass
         log_once("bundle.spool", f"bundles cannot be kept in {path.parent.parent} ({type(exc).__name__}: {exc}); "
                                  f"evidence that the collector does not receive is lost")
-        agent.record_event("evidence_lost", incident=incident, reason=f"{type(exc).__name__}: {exc}"[:300])
+        emit("evidence_lost", incident=incident, reason=f"{type(exc).__name__}: {exc}"[:300])
         return "lost"
     return str(path)
 

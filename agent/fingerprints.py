@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from rankwatch.config import Config
 from rankwatch.wire import StepRecord
 
 from .device import DeferredReads
@@ -42,7 +43,7 @@ from .safety import guarded
 from .torch_state import compiling
 
 if TYPE_CHECKING:
-    from .runtime import Agent
+    from .ports import AddFingerprint, StepProgress
 
 MAX_TENSORS = 8192
 MAX_MULTIPLIER = 64
@@ -61,12 +62,13 @@ def syncs_buffers_before_forward(ddp) -> bool:
 
 
 class Fingerprinter:
-    def __init__(self, agent: "Agent", ddp, every: int) -> None:
-        self.agent = agent
+    def __init__(self, ddp, every: int, *, config: Config, progress: "StepProgress",
+                 add_fingerprint: "AddFingerprint") -> None:
+        self.add_fingerprint = add_fingerprint
         self.ddp = ddp
         self.every = every
         self.multiplier = 1
-        self.budget = agent.config.grad_check_budget * BUDGET_SHARE
+        self.budget = config.grad_check_budget * BUDGET_SHARE
         ignored = set(getattr(ddp, "parameters_to_ignore", None) or ())
         self._ignored = ignored
         params = [(f"param:{n}", p) for n, p in ddp.module.named_parameters() if n not in ignored]
@@ -80,7 +82,7 @@ class Fingerprinter:
         self.buffer_names = [n for n, _ in buffers] if self.compare_buffers else []
         self.buffer_module = ddp.module
         self.names = self.param_names + self.buffer_names  # one list, shared by every fingerprint sent
-        self.reader = agent.progress.reads  # the device adapter's deferred reads (agent/device.py)
+        self.reader = progress.reads  # the device adapter's deferred reads (agent/device.py)
         # Parameter norms waiting for the buffer norms of the next synchronised forward.
         self._pending: Optional[tuple[int, list[torch.Tensor]]] = None
         self._syncing = False
@@ -88,7 +90,7 @@ class Fingerprinter:
         if self.compare_buffers:
             ddp.register_forward_pre_hook(self._before_ddp_forward)
             ddp.module.register_forward_pre_hook(self._after_buffer_sync)
-        agent.progress.step_extras.append(self._on_step_end)
+        progress.step_extras.append(self._on_step_end)
 
     @property
     def interval(self) -> int:
@@ -171,16 +173,17 @@ class Fingerprinter:
         def consume(norms: Optional[list[float]], step=step, names=names) -> None:
             if norms is None:  # not readable (a graph capture, a stalled device)
                 return
-            self.agent.add_fingerprint({"step": step, "names": names, "norms": norms, **extra})
+            self.add_fingerprint({"step": step, "names": names, "norms": norms, **extra})
 
         self.reader.submit(values, consume)
 
 
-def attach(agent: "Agent", ddp) -> Optional[Fingerprinter]:
-    every = agent.config.fingerprint_every
+def attach(ddp, *, config: Config, progress: "StepProgress",
+           add_fingerprint: "AddFingerprint") -> Optional[Fingerprinter]:
+    every = config.fingerprint_every
     if every <= 0:
         return None
-    return Fingerprinter(agent, ddp, every)
+    return Fingerprinter(ddp, every, config=config, progress=progress, add_fingerprint=add_fingerprint)
 
 
 # -- without DDP: through the optimizers' parameters ----------------------------------------------
@@ -206,25 +209,29 @@ class OptimizerFingerprinter:
     differ are not replicas (model or pipeline parallelism, sharding): their
     fingerprints are not compared. Then every N steps, like the DDP
     fingerprints (``"source": "optimizer"``), under the same cost budget.
-    Used only on ranks without a DDP model (one fingerprint stream a rank).
+    Used only on ranks without a DDP model (one fingerprint stream a rank):
+    ``ddp_modules`` is the runtime's list of the DDP wrappers built so far.
     """
 
-    def __init__(self, agent: "Agent", models, every: int) -> None:
-        self.agent = agent
+    def __init__(self, models, every: int, *, config: Config, progress: "StepProgress",
+                 add_fingerprint: "AddFingerprint", ddp_modules: list[Any]) -> None:
+        self.add_fingerprint = add_fingerprint
+        self.progress = progress
+        self.ddp_modules = ddp_modules
         self.models = models
         self.every = every
         self.multiplier = 1
-        self.budget = agent.config.grad_check_budget * BUDGET_SHARE
+        self.budget = config.grad_check_budget * BUDGET_SHARE
         self.reader = DeferredReads()
         self.started = False
         self._names: Optional[list[str]] = None
         self._version = -1
         self._params: list[torch.Tensor] = []
         models.on_optimizer_pre.append(self._before_first_step)
-        agent.progress.step_extras.append(self._on_step_end)
+        progress.step_extras.append(self._on_step_end)
 
     def _active(self) -> bool:
-        return not getattr(self.agent, "ddp_modules", None)
+        return not self.ddp_modules
 
     def _tensors(self) -> tuple[list[str], list[torch.Tensor]]:
         if self._version != self.models.version:
@@ -249,13 +256,13 @@ class OptimizerFingerprinter:
         with torch.no_grad():
             norms = fp32_norms([p.detach() for p in params]) + fp32_norms([g.detach() for _, g in grads])
         all_names = names + ["grad:" + n[len("param:"):] for n, _ in grads]
-        step = self.agent.progress.step
+        step = self.progress.step
 
         def consume(values: Optional[list[float]], step=step, names=all_names) -> None:
             if values is None:
                 return  # not readable (a graph capture, a stalled device)
-            self.agent.add_fingerprint({"step": step, "names": names, "norms": values, "at": "start",
-                                        "source": "optimizer"})
+            self.add_fingerprint({"step": step, "names": names, "norms": values, "at": "start",
+                                  "source": "optimizer"})
 
         self.reader.submit(norms, consume)
 
@@ -276,7 +283,7 @@ class OptimizerFingerprinter:
         def consume(values: Optional[list[float]], step=step, names=names) -> None:
             if values is None:
                 return  # not readable (a graph capture, a stalled device)
-            self.agent.add_fingerprint({"step": step, "names": names, "norms": values, "source": "optimizer"})
+            self.add_fingerprint({"step": step, "names": names, "norms": values, "source": "optimizer"})
 
         self.reader.submit(norms, consume)
         spent = time.perf_counter() - started
@@ -289,8 +296,10 @@ class OptimizerFingerprinter:
                 self.multiplier //= 2
 
 
-def attach_optimizers(agent: "Agent", models) -> Optional[OptimizerFingerprinter]:
-    every = agent.config.fingerprint_every
+def attach_optimizers(models, *, config: Config, progress: "StepProgress", add_fingerprint: "AddFingerprint",
+                      ddp_modules: list[Any]) -> Optional[OptimizerFingerprinter]:
+    every = config.fingerprint_every
     if every <= 0 or models is None:
         return None
-    return OptimizerFingerprinter(agent, models, every)
+    return OptimizerFingerprinter(models, every, config=config, progress=progress, add_fingerprint=add_fingerprint,
+                                  ddp_modules=ddp_modules)

@@ -23,20 +23,21 @@ nothing to watch.
 from __future__ import annotations
 
 import types
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
-from .patching import after_call
+from .imports import ImportWatch
+from .patching import Patches, after_call
 from .safety import guarded
-
-if TYPE_CHECKING:
-    from .runtime import Agent
 
 HOMES = ("torch.distributed.fsdp._fully_shard", "torch.distributed.fsdp", "torch.distributed._composable.fsdp")
 
 
 class FullyShardWatch:
-    def __init__(self, agent: "Agent") -> None:
-        self.agent = agent
+    """``on_sharded(module)``: told of each module ``fully_shard`` returned."""
+
+    def __init__(self, *, patches: Patches, on_sharded: Callable[[Any], None]) -> None:
+        self.patches = patches
+        self.on_sharded = on_sharded
         self._wrappers: dict[int, Any] = {}  # id(original) -> its wrapper: one wrapper under every name
 
     def patch(self, module: types.ModuleType) -> None:
@@ -44,14 +45,14 @@ class FullyShardWatch:
         if fn is None or isinstance(fn, types.ModuleType) or not callable(fn):
             return
         if getattr(fn, "__rankwatch_wrapped__", False):  # imported from a home already patched
-            self.agent.patches.adopt(module, "fully_shard", getattr(fn, "__wrapped__", fn))
+            self.patches.adopt(module, "fully_shard", getattr(fn, "__wrapped__", fn))
             return
         wrapper = self._wrappers.get(id(fn))
         if wrapper is not None:
-            self.agent.patches.alias(module, "fully_shard", fn, wrapper)
+            self.patches.alias(module, "fully_shard", fn, wrapper)
             return
         # functools.wraps keeps fully_shard.state (torch's contract decorator)
-        made = self.agent.patches.apply(module, "fully_shard", after_call(lambda result, *a, **k: self.sharded(result)))
+        made = self.patches.apply(module, "fully_shard", after_call(lambda result, *a, **k: self.sharded(result)))
         if made is not None:
             self._wrappers[id(fn)] = made
 
@@ -60,11 +61,11 @@ class FullyShardWatch:
         modules = result if isinstance(result, (list, tuple)) else [result]
         for module in modules[:1024]:
             if hasattr(module, "parameters"):
-                self.agent.on_model_sharded(module)
+                self.on_sharded(module)
 
 
-def install(agent: "Agent") -> FullyShardWatch:
-    watch = FullyShardWatch(agent)
+def install(*, patches: Patches, imports: ImportWatch, on_sharded: Callable[[Any], None]) -> FullyShardWatch:
+    watch = FullyShardWatch(patches=patches, on_sharded=on_sharded)
     for name in HOMES:
-        agent.imports.when_imported(name, watch.patch)
+        imports.when_imported(name, watch.patch)
     return watch

@@ -46,16 +46,18 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
+from rankwatch.config import Config
 from rankwatch.wire import StepRecord
 
 from . import device as device_mod
+from .collectives import CollectiveTracker
 from .device import DeferredReads
 from .patching import Patches, argument, binding_error
 from .safety import guarded, is_disabled, log
 from .torch_state import compiling, in_backward
 
 if TYPE_CHECKING:
-    from .runtime import Agent
+    from .ports import Emit, StepProgress
 
 MAX_NAMED = 8
 PROBE_ELEMENTS = 512  # elements per model and step, on steps the full check is sampled out
@@ -141,10 +143,15 @@ MAX_PARAMETERS = 65536  # parameters checked per model, at most
 
 class GradChecker:
     """``named_parameters``: (name, parameter) of the model being trained;
-    ``ddp``: its DistributedDataParallel wrapper, if any."""
+    ``ddp``: its DistributedDataParallel wrapper, if any; ``collectives``:
+    the rank's collective tracker (a user's comm hook is not recorded as
+    Python call sites)."""
 
-    def __init__(self, agent: "Agent", named_parameters, ddp=None) -> None:
-        self.agent = agent
+    def __init__(self, named_parameters, ddp=None, *, config: Config, emit: "Emit", progress: "StepProgress",
+                 collectives: CollectiveTracker) -> None:
+        self.emit = emit
+        self.progress = progress
+        self.collectives = collectives
         self.ddp = ddp
         self.registered = True  # the user's comm hooks are only wrapped, never replaced
         seen: set[int] = set()
@@ -171,7 +178,7 @@ class GradChecker:
         # on a CPU a pass over the gradients). When that exceeds the budget (a
         # fraction of the step time), the full check runs every `stride`-th
         # step; the loss is still checked on every step.
-        self.budget = agent.config.grad_check_budget
+        self.budget = config.grad_check_budget
         self.stride = 1
         self._sampled = True
         self._spent = 0.0
@@ -187,7 +194,7 @@ class GradChecker:
         self.python_reducer = ddp is not None and uses_python_reducer(ddp)
         if self.python_reducer:
             # DDP's own post-accumulate hooks allreduce first: ours would see averages.
-            agent.record_event("grad_checks_off", reason="python_reducer")
+            emit("grad_checks_off", reason="python_reducer")
             log("local gradient checks off for this model: DDP uses the Python reducer "
                 "(torch._dynamo.config.optimize_ddp='python_reducer')")
         else:
@@ -196,9 +203,9 @@ class GradChecker:
         if ddp is not None:
             ddp._rankwatch_grad_checker = self
             _patch_register_comm_hook()
-        agent.progress.step_extras.append(self._on_step_end)
-        agent.progress.backward_extras.append(self._on_backward_call)
-        agent.progress.record_complete.append(guarded("grad_checks.step")(self._on_record_complete))
+        progress.step_extras.append(self._on_step_end)
+        progress.backward_extras.append(self._on_backward_call)
+        progress.record_complete.append(guarded("grad_checks.step")(self._on_record_complete))
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -207,7 +214,7 @@ class GradChecker:
 
     # -- a user's comm hook: its collectives are the gradient reduction -------------
     def register(self, original_register, state, user_hook):
-        local = self.agent.collectives._local
+        local = self.collectives._local
 
         @functools.wraps(user_hook)
         def reducing_hook(hook_state, bucket):
@@ -273,7 +280,7 @@ class GradChecker:
         and ask autograd to tell us when it is over."""
         self._in_backward = True
         self._names, self._values, self._last_grad = [], [], None
-        step = self.agent.progress.step
+        step = self.progress.step
         if self._last_backward_step != step:
             self._step_values = None  # a new step
         self._last_backward_step = step
@@ -338,12 +345,12 @@ class GradChecker:
         full check on a sampled-out step: a bad batch is still caught and
         named. The loss is known here only when its deferred read is already
         in (at once on a CPU; on a GPU it is read after the step)."""
-        value = self.agent.progress.current_loss()
+        value = self.progress.current_loss()
         if value is None:
             return False
         if not math.isfinite(value):
             return True
-        typical = self.agent.progress.typical_loss
+        typical = self.progress.typical_loss
         return typical is not None and abs(value) > 10 * typical + 1e-12
 
     @guarded("grad_checks.step")
@@ -353,16 +360,16 @@ class GradChecker:
         The parameters whose values were not finite follow when read."""
         values, self._step_values = self._step_values, None
         self.skipped_overflow_steps += 1
-        step = self.agent.progress.step
+        step = self.progress.step
 
         def consume(read: Optional[list[float]], values=values, step=step) -> None:
             named: list[str] = []
             if read is not None and values is not None:
                 named = self._evaluate(values, read)[1]
-            self.agent.record_event("overflow_skipped", step=step, parameters=named[:MAX_NAMED], scaler=True)
+            self.emit("overflow_skipped", step=step, parameters=named[:MAX_NAMED], scaler=True)
 
         if values is not None:
-            self.agent.progress.reads.submit([values[1]], consume)
+            self.progress.reads.submit([values[1]], consume)
         else:
             consume(None)
 
@@ -405,7 +412,7 @@ class GradChecker:
         self._last_backward_step = -1
         if values is None:
             return
-        self.agent.progress.defer([values[1]], lambda read: self._consume(record, values, read))
+        self.progress.defer([values[1]], lambda read: self._consume(record, values, read))
 
     def _evaluate(self, values: tuple[tuple[str, ...], torch.Tensor, str],
                   read: list[float]) -> tuple[float, list[str]]:
@@ -443,7 +450,7 @@ class GradChecker:
         bad, found_by = self._bad.pop(record.step, ([], "full_check"))
         if not bad and (record.loss is None or math.isfinite(record.loss)):
             return
-        self.agent.record_event(
+        self.emit(
             "nonfinite",
             step=record.step,
             source="local_gradients" if bad else "loss",
@@ -456,7 +463,7 @@ class GradChecker:
     def on_command(self, command) -> None:
         if command.details.get("action") == "detect_anomaly":
             torch.autograd.set_detect_anomaly(True)
-            self.agent.record_event("anomaly_mode", enabled=True, reason=command.reason)
+            self.emit("anomaly_mode", enabled=True, reason=command.reason)
             log("autograd anomaly detection turned on for this rank (requested by the collector)")
 
 
@@ -481,7 +488,7 @@ def _patch_grad_scaler() -> None:
             if _CHECKERS and isinstance(result, torch.Tensor):
                 unscaled = argument(original, args, kwargs, 1)
                 if isinstance(unscaled, torch.Tensor):
-                    _CHECKERS[-1].agent.progress.note_scaled(result, unscaled)
+                    _CHECKERS[-1].progress.note_scaled(result, unscaled)
             return result
 
         return scale
@@ -491,7 +498,7 @@ def _patch_grad_scaler() -> None:
         def step(*args, **kwargs):
             if not _CHECKERS or compiling():
                 return original(*args, **kwargs)
-            progress = _CHECKERS[-1].agent.progress
+            progress = _CHECKERS[-1].progress
             before = progress.optimizer_steps
             result = original(*args, **kwargs)
             enabled = getattr(args[0], "_enabled", True) if args else True
@@ -506,22 +513,24 @@ def _patch_grad_scaler() -> None:
     _PATCHES.apply(GradScaler, "step", make_step)
 
 
-def attach(agent: "Agent", ddp) -> Optional[GradChecker]:
+def attach(ddp, *, config: Config, emit: "Emit", progress: "StepProgress",
+           collectives: CollectiveTracker) -> Optional[GradChecker]:
     """The checks for a DDP model."""
-    if not agent.config.grad_checks:
+    if not config.grad_checks:
         return None
     ignored = set(getattr(ddp, "parameters_to_ignore", None) or ())
     named = [(n, p) for n, p in ddp.module.named_parameters() if n not in ignored]
-    return attach_parameters(agent, named, ddp=ddp)
+    return attach_parameters(named, ddp=ddp, config=config, emit=emit, progress=progress, collectives=collectives)
 
 
-def attach_parameters(agent: "Agent", named_parameters, ddp=None) -> Optional[GradChecker]:
+def attach_parameters(named_parameters, ddp=None, *, config: Config, emit: "Emit", progress: "StepProgress",
+                      collectives: CollectiveTracker) -> Optional[GradChecker]:
     """The checks for any trained parameters: ``named_parameters`` is a
     list of (name, parameter) (a model without DDP: FSDP1, a hand-written
     data-parallel loop; see runtime.on_model_found)."""
-    if not agent.config.grad_checks:
+    if not config.grad_checks:
         return None
-    checker = GradChecker(agent, named_parameters, ddp=ddp)
+    checker = GradChecker(named_parameters, ddp, config=config, emit=emit, progress=progress, collectives=collectives)
     _CHECKERS.append(checker)
     _patch_grad_scaler()
     return checker

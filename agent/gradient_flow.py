@@ -13,12 +13,13 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from rankwatch.config import Config
 from rankwatch.wire import StepRecord
 
 from .safety import guarded
 
 if TYPE_CHECKING:
-    from .runtime import Agent
+    from .ports import Emit, StepProgress
 
 WATCH_STEPS = 3
 ZERO_SAMPLES = 3
@@ -26,8 +27,8 @@ MAX_NAMES = 32
 
 
 class GradientFlow:
-    def __init__(self, agent: "Agent", ddp) -> None:
-        self.agent = agent
+    def __init__(self, ddp, *, config: Config, emit: "Emit", progress: "StepProgress") -> None:
+        self.emit = emit
         self.params = [(n, p) for n, p in ddp.module.named_parameters() if p.requires_grad]
         self.seen: set[str] = set()
         self.handles = []
@@ -37,9 +38,9 @@ class GradientFlow:
         self.zero_counts: dict[str, int] = {}
         self.samples = 0
         self.reported_zero = False
-        self.reader = agent.progress.reads  # deferred device reads (agent/device.py)
-        self.every = max(1, agent.config.fingerprint_every or 10)
-        agent.progress.step_extras.append(self._on_step_end)
+        self.reader = progress.reads  # deferred device reads (agent/device.py)
+        self.every = max(1, config.fingerprint_every or 10)
+        progress.step_extras.append(self._on_step_end)
 
     def _marker(self, name: str):
         seen = self.seen
@@ -61,10 +62,10 @@ class GradientFlow:
             self.handles = []
             missing = self.never_received()
             if missing:
-                self.agent.record_event("unused_parameters", parameters=missing,
-                                        hint="these parameters received no gradient in the first steps "
-                                             "(unused in forward, or detached); DDP needs "
-                                             "find_unused_parameters=True for them")
+                self.emit("unused_parameters", parameters=missing,
+                          hint="these parameters received no gradient in the first steps "
+                               "(unused in forward, or detached); DDP needs "
+                               "find_unused_parameters=True for them")
         if self.reported_zero or (record.step + 1) % self.every:
             return
         names = [n for n, p in self.params if p.grad is not None]
@@ -86,8 +87,8 @@ class GradientFlow:
             always = [n for n, c in self.zero_counts.items() if c >= self.samples][:MAX_NAMES]
             self.reported_zero = True
             if always:
-                self.agent.record_event("zero_gradients", parameters=always, samples=self.samples)
+                self.emit("zero_gradients", parameters=always, samples=self.samples)
 
 
-def attach(agent: "Agent", ddp) -> Optional[GradientFlow]:
-    return GradientFlow(agent, ddp)
+def attach(ddp, *, config: Config, emit: "Emit", progress: "StepProgress") -> Optional[GradientFlow]:
+    return GradientFlow(ddp, config=config, emit=emit, progress=progress)

@@ -23,12 +23,12 @@ from __future__ import annotations
 import functools
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
+from rankwatch.config import Config
+
+from .patching import Patches
 from .safety import guarded
-
-if TYPE_CHECKING:
-    from .runtime import Agent
 
 MAX_ITERATORS = 64
 
@@ -44,8 +44,8 @@ class LoaderInfo:
 
 
 class LoaderTracker:
-    def __init__(self, agent: "Agent") -> None:
-        self.agent = agent
+    def __init__(self, *, patches: Patches) -> None:
+        self.patches = patches
         self.last: Optional[LoaderInfo] = None  # the loader that yielded last
         self.join_used = False
         self._loaders: dict[int, tuple[Any, LoaderInfo]] = {}
@@ -71,7 +71,7 @@ class LoaderTracker:
 
             return __next__
 
-        self.agent.patches.apply(_BaseDataLoaderIter, "__next__", make_next)
+        self.patches.apply(_BaseDataLoaderIter, "__next__", make_next)
         try:
             from torch.distributed.algorithms.join import Join
         except Exception:
@@ -85,7 +85,7 @@ class LoaderTracker:
 
             return __enter__
 
-        self.agent.patches.apply(Join, "__enter__", make_enter)
+        self.patches.apply(Join, "__enter__", make_enter)
 
     @guarded("loaders")
     def on_iter(self, loader: Any, iterator: Any) -> None:
@@ -139,9 +139,9 @@ class LoaderTracker:
             info.epochs_completed += 1
 
 
-def attach(agent: "Agent") -> Optional[LoaderTracker]:
-    if not agent.config.silent_checks:
+def attach(*, config: Config, patches: Patches) -> Optional[LoaderTracker]:
+    if not config.silent_checks:
         return None
-    tracker = LoaderTracker(agent)
+    tracker = LoaderTracker(patches=patches)
     tracker.install()
     return tracker

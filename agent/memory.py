@@ -21,12 +21,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from rankwatch.config import Config
 from rankwatch.wire import StepRecord
 
 from .safety import guarded, log, log_once
 
 if TYPE_CHECKING:
-    from .runtime import Agent
+    from .ports import Emit, StepProgress
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -69,8 +70,15 @@ def host_memory() -> dict[str, int]:
 
 
 class MemoryTracker:
-    def __init__(self, agent: "Agent") -> None:
-        self.agent = agent
+    """``run_dir`` and ``rank``: where an OOM's memory snapshot is written."""
+
+    def __init__(self, *, config: Config, emit: "Emit", progress: "StepProgress", run_dir: Optional[str],
+                 rank: int) -> None:
+        self.config = config
+        self.emit = emit
+        self.progress = progress
+        self.run_dir = run_dir
+        self.rank = rank
         self.device = None  # the device the model's tensors are on (an accelerator)
         self.adapter = None
         self.observer_attached = False
@@ -82,7 +90,7 @@ class MemoryTracker:
         self.own_rss_bytes = 0
         self._own_since: Optional[int] = None
         self.last_allocated: Optional[int] = None  # device bytes allocated at the last step's end
-        agent.progress.step_extras.append(self._on_step_end)
+        progress.step_extras.append(self._on_step_end)
 
     @property
     def cuda_ready(self) -> bool:  # older name
@@ -119,7 +127,7 @@ class MemoryTracker:
         pending, self.pending_oom = self.pending_oom, None
         if pending is not None:
             # The script caught it and went on to finish a step: not a failure of the rank.
-            self.agent.record_event("oom_caught", **{k: v for k, v in pending.items() if k != "at"})
+            self.emit("oom_caught", **{k: v for k, v in pending.items() if k != "at"})
 
     @guarded("memory.cuda")
     def on_model(self, model) -> None:
@@ -133,12 +141,12 @@ class MemoryTracker:
         if not adapter.accelerated():
             return
         self.device, self.adapter = device, adapter
-        if self.agent.config.memory_history and adapter.name == "cuda":
+        if self.config.memory_history and adapter.name == "cuda":
             import torch
 
             torch.cuda.memory._record_memory_history(
                 enabled="all", context="all", stacks="python",
-                max_entries=self.agent.config.memory_history_max_entries)
+                max_entries=self.config.memory_history_max_entries)
         if not self.observer_attached:
             self.observer_attached = adapter.attach_oom_observer(self._on_device_oom)
 
@@ -151,7 +159,7 @@ class MemoryTracker:
         try:
             self.pending_oom = {"device": int(device), "requested_bytes": int(requested),
                                 "device_total_bytes": int(device_total), "device_free_bytes": int(device_free),
-                                "memory": "device", "at": time.time(), "step": self.agent.progress.step}
+                                "memory": "device", "at": time.time(), "step": self.progress.step}
             if self.last_allocated is not None:
                 self.pending_oom["allocated_bytes_at_last_step"] = self.last_allocated
         except Exception:
@@ -170,8 +178,7 @@ class MemoryTracker:
         details = {k: v for k, v in (pending or {"memory": "device"}).items() if k not in ("at", "step")}
         members: dict[str, Any] = {"oom.json": details}
         try:
-            members.update(snapshot_members(self.agent.run_dir, self.agent.identity.rank, self.adapter,
-                                            self.device))
+            members.update(snapshot_members(self.run_dir, self.rank, self.adapter, self.device))
         except Exception as exc2:
             log(f"OOM snapshot failed: {type(exc2).__name__}: {exc2}")
         return details, members

@@ -23,9 +23,10 @@ the agent attached are still found through their DDP wrapper; an optimized
 parameter without a known module gets a positional name
 (``optimizer0.group1.3``).
 
-API (shared by the silent-error checks and the GPU checks):
+API (shared by the silent-error checks and the GPU checks, which the runtime
+builds with it):
 
-    models = agent.models                      # None when silent_checks is off
+    models = attach(config=..., progress=...)  # None when silent_checks is off
     models.roots                               # [Root]: module, label, ddp wrapper or None
     models.optimizers()                        # every optimizer, in the order they were built
     models.named_parameters()                  # [(name, param)] of every root
@@ -52,13 +53,15 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
+from rankwatch.config import Config
+
 from . import device
-from .patching import after_call
+from .patching import Patches, after_call
 from .safety import guarded, log_once
 from .torch_state import compiling
 
 if TYPE_CHECKING:
-    from .runtime import Agent
+    from .ports import StepProgress
 
 MAX_TRACKED = 1_000_000  # modules and parameters remembered from registration, at most
 
@@ -252,8 +255,16 @@ def user_site(depth: int = 1) -> Optional[str]:
 
 
 class TrainedModels:
-    def __init__(self, agent: "Agent") -> None:
-        self.agent = agent
+    """``hook_handles``: where the torch hooks it registers are kept (the
+    runtime removes them at uninstall); ``ddp_modules``: the DDP wrappers
+    built so far (the runtime's list, grown as they are built)."""
+
+    def __init__(self, *, progress: "StepProgress", patches: Patches, hook_handles: list[Any],
+                 ddp_modules: list[Any]) -> None:
+        self.progress = progress
+        self.patches = patches
+        self.hook_handles = hook_handles
+        self.ddp_modules = ddp_modules
         self.roots: list[Root] = []
         self.version = 0
         self.discovered = False
@@ -284,14 +295,14 @@ class TrainedModels:
                                              register_module_parameter_registration_hook)
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-        handles = self.agent._hook_handles
+        handles = self.hook_handles
         handles.append(register_module_module_registration_hook(self._on_module_registered))
         handles.append(register_module_parameter_registration_hook(self._on_param_registered))
         handles.append(register_optimizer_step_pre_hook(self._on_optimizer_pre))
         handles.append(register_optimizer_step_post_hook(self._on_optimizer_post))
-        self.agent.progress.backward_extras.append(self._on_backward)
-        self.agent.progress.step_extras.append(self._after_step)
-        patches = self.agent.patches
+        self.progress.backward_extras.append(self._on_backward)
+        self.progress.step_extras.append(self._after_step)
+        patches = self.patches
         patches.apply(torch.optim.Optimizer, "add_param_group",
                       after_call(lambda _, optimizer=None, *a, **k: optimizer is not None and self._note_optimizer(optimizer)))
         patches.apply(torch.nn.Module, "__getstate__",
@@ -411,7 +422,7 @@ class TrainedModels:
         return inner
 
     def _hook_root(self, root: Root) -> None:
-        handles = self.agent._hook_handles
+        handles = self.hook_handles
         if not root.hooked:
             root.hooked = True
             handles.append(root.module.register_forward_pre_hook(_Hook(self._root_pre), with_kwargs=True))
@@ -453,7 +464,7 @@ class TrainedModels:
                         optimized[id(p)] = (oi, gi)
                         order.append(p)
         ddp_inner = {id(r.module): r for r in self._by_ddp.values()}
-        for ddp in list(getattr(self.agent, "ddp_modules", [])):
+        for ddp in list(self.ddp_modules):
             if id(ddp) not in self._by_ddp:
                 self.on_ddp(ddp)
         tops: dict[int, Any] = {}
@@ -595,8 +606,8 @@ class TrainedModels:
         if root is None:
             return None
         via = "module" if root.ddp is not None else "direct"
-        if via == "direct" and not self.agent.ddp_modules:
-            self.agent.progress.on_forward(module, args)  # no DDP hook times this rank's steps
+        if via == "direct" and not self.ddp_modules:
+            self.progress.on_forward(module, args)  # no DDP hook times this rank's steps
         forward = Forward(root=root, args=args, kwargs=kwargs, via=via, training=module.training)
         if via == "module":
             forward.site = user_site()
@@ -624,9 +635,10 @@ class TrainedModels:
         self._pending = []
 
 
-def attach(agent: "Agent") -> Optional[TrainedModels]:
-    if not agent.config.silent_checks:
+def attach(*, config: Config, progress: "StepProgress", patches: Patches, hook_handles: list[Any],
+           ddp_modules: list[Any]) -> Optional[TrainedModels]:
+    if not config.silent_checks:
         return None
-    models = TrainedModels(agent)
+    models = TrainedModels(progress=progress, patches=patches, hook_handles=hook_handles, ddp_modules=ddp_modules)
     models.install()
     return models

@@ -23,26 +23,33 @@ import gzip
 import os
 import tempfile
 import threading
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from rankwatch.wire import Command, StepRecord
 
 from .safety import guarded, log
 
 if TYPE_CHECKING:
-    from .runtime import Agent
+    from .memory import MemoryTracker
+    from .ports import StepProgress
 
 MAX_STEPS = 10
 
 
 class StepProfiler:
-    def __init__(self, agent: "Agent") -> None:
-        self.agent = agent
+    """``memory``: told of the host memory a profile takes (None: not told);
+    ``send_bundle(reason, incident, extra_members=...)``: packs and sends
+    the profile's bundle (the runtime's)."""
+
+    def __init__(self, *, progress: "StepProgress", memory: Optional["MemoryTracker"],
+                 send_bundle: Callable[..., Any]) -> None:
+        self.memory = memory
+        self.send_bundle = send_bundle
         self._requested: Optional[Command] = None
         self._profile = None
         self._steps_left = 0
         self._done: set[str] = set()
-        agent.progress.step_extras.append(self._on_step_end)
+        progress.step_extras.append(self._on_step_end)
 
     def on_command(self, command: Command) -> None:
         if command.details.get("action") == "profile" and command.incident not in self._done:
@@ -94,7 +101,7 @@ class StepProfiler:
 
     def _own_memory(self, which: str) -> None:
         """The profile's host memory is rankwatch's, not the job's (agent/memory.py)."""
-        memory = getattr(self.agent, "memory", None)
+        memory = self.memory
         if memory is not None:
             getattr(memory, which)()
 
@@ -108,10 +115,7 @@ class StepProfiler:
         try:
             members: dict[str, Any] = {"profile_summary.json": summary,
                                        "profile_trace.json.gz": gzip.compress(trace)}
-            from . import bundle as bundle_mod
-
-            archive = bundle_mod.build(self.agent, "profile", command.incident, extra_members=members)
-            bundle_mod.deliver(self.agent, archive, command.incident)
+            self.send_bundle("profile", command.incident, extra_members=members)
         except Exception as exc:
             log(f"profiler trace failed: {type(exc).__name__}: {exc}")
 

@@ -303,6 +303,10 @@ class Progress:
         self._event_adapter = adapter
         return adapter.event(device, timing=True)
 
+    def lead_optimizer(self) -> Any:
+        """The optimizer whose step ends a training step (None before the first step, or once it is gone)."""
+        return self._lead() if self._lead is not None else None
+
     def current_loss(self) -> Optional[float]:
         """This step's loss if its deferred read is already in (at once on a
         CPU; on a GPU usually only after the step), else None."""

@@ -184,8 +184,9 @@ class Agent:
         from .memory import MemoryTracker
         from .profiler import StepProfiler
 
-        self.memory = MemoryTracker(self)
-        self.extensions.append(StepProfiler(self))
+        self.memory = MemoryTracker(config=self.config, emit=self.record_event, progress=self.progress,
+                                    run_dir=self.run_dir, rank=self.identity.rank)
+        self.extensions.append(StepProfiler(progress=self.progress, memory=self.memory, send_bundle=self.send_bundle))
 
     @guarded("agent.join")
     def _install_join(self) -> None:
@@ -201,14 +202,18 @@ class Agent:
         (fingerprints through the optimizers)."""
         from . import batch_fingerprints, fingerprints, loaders, models, train_config, update_checks
 
-        self.models = models.attach(self)
+        emit, progress, patches = self.record_event, self.progress, self.patches
+        self.models = models.attach(config=self.config, progress=progress, patches=patches,
+                                    hook_handles=self._hook_handles, ddp_modules=self.ddp_modules)
         if self.models is not None:
             self.models.on_discovered.append(self._on_models_found)
-        self.loaders = loaders.attach(self)
-        self.train_config = train_config.attach(self, self.models, self.loaders)
-        batch_fingerprints.attach(self, self.models, self.loaders)
-        update_checks.attach(self, self.models)
-        fingerprints.attach_optimizers(self, self.models)
+        self.loaders = loaders.attach(config=self.config, patches=patches)
+        self.train_config = train_config.attach(self.models, self.loaders, emit=emit, progress=progress,
+                                                patches=patches, imports=self.imports)
+        batch_fingerprints.attach(self.models, self.loaders, emit=emit, progress=progress)
+        update_checks.attach(self.models, emit=emit, progress=progress, patches=patches)
+        fingerprints.attach_optimizers(self.models, config=self.config, progress=progress,
+                                       add_fingerprint=self.add_fingerprint, ddp_modules=self.ddp_modules)
 
     @guarded("agent.blackbox")
     def _install_blackbox(self) -> None:
@@ -302,7 +307,7 @@ class Agent:
                            after_call(lambda _, ddp, *a, **k: self.on_ddp_created(ddp)))
         from . import fsdp
 
-        fsdp.install(self)
+        fsdp.install(patches=self.patches, imports=self.imports, on_sharded=self.on_model_sharded)
         self._wrap_dataloader_epochs()
         self._wrap_checkpointing()
 
@@ -423,10 +428,16 @@ class Agent:
 
         if self.memory is not None:
             self.memory.on_model(ddp)
-        for attach in (grad_checks.attach, fingerprints.attach, gradient_flow.attach):
-            ext = attach(self, ddp)
-            if ext is not None:
-                self.extensions.append(ext)
+        config, emit, progress = self.config, self.record_event, self.progress
+        self._extend(grad_checks.attach(ddp, config=config, emit=emit, progress=progress,
+                                        collectives=self.collectives))
+        self._extend(fingerprints.attach(ddp, config=config, progress=progress, add_fingerprint=self.add_fingerprint))
+        self._extend(gradient_flow.attach(ddp, config=config, emit=emit, progress=progress))
+
+    def _extend(self, ext: Any) -> None:
+        """A part that answers collector commands (or takes part in the exit), when one was made."""
+        if ext is not None:
+            self.extensions.append(ext)
 
     @guarded("agent.sharded")
     def on_model_sharded(self, module) -> None:
@@ -473,9 +484,8 @@ class Agent:
             if named and not all(_plain(p) for _, p in named):
                 named = _fsdp2_unsharded(root.module, dict((id(p), n) for n, p in named))
             if named and all(_plain(p) for _, p in named):
-                checker = grad_checks.attach_parameters(self, named)
-                if checker is not None:
-                    self.extensions.append(checker)
+                self._extend(grad_checks.attach_parameters(named, config=self.config, emit=self.record_event,
+                                                           progress=self.progress, collectives=self.collectives))
 
     # -- events --------------------------------------------------------------------
     def record_event(self, kind: str, step: Optional[int] = None, **details: Any) -> wire.Event:
@@ -507,6 +517,22 @@ class Agent:
             self._unsent_fingerprints.append(fingerprint)
             del self._unsent_fingerprints[:-64]
 
+    # -- bundles -------------------------------------------------------------------
+    def build_bundle(self, reason: str, incident: str, exception: Optional[dict] = None,
+                     extra_members: Optional[dict[str, Any]] = None) -> bytes:
+        """This rank's bundle now (agent/bundle.py), from the parts it reads."""
+        return bundle_mod.build(reason, incident, exception, extra_members, identity=self.identity,
+                                progress=self.progress, collectives=self.collectives,
+                                recent_events=self.recent_events, memory=self.memory, run_dir=self.run_dir)
+
+    def send_bundle(self, reason: str, incident: str, *, exception: Optional[dict] = None,
+                    extra_members: Optional[dict[str, Any]] = None, timeout: float = 5.0) -> str:
+        """Build this rank's bundle and deliver it (the collector, else the
+        run dir's spool). Returns where it went."""
+        archive = self.build_bundle(reason, incident, exception, extra_members)
+        return bundle_mod.deliver(archive, incident, timeout, identity=self.identity, transport=self.transport,
+                                  run_dir=self.run_dir, emit=self.record_event)
+
     def on_exception(self, exc: BaseException) -> None:
         """The user's script raised: record it (as torchelastic's @record does),
         send a crash bundle, then let the exception continue."""
@@ -528,8 +554,7 @@ class Agent:
                 reason, members = "oom", oom[1]
             incident = f"{reason}-r{self.identity.rank}-{uuid.uuid4().hex[:8]}"
             self.send_heartbeat(final=False)
-            archive = bundle_mod.build(self, reason, incident, exception=info, extra_members=members)
-            bundle_mod.deliver(self, archive, incident, timeout=3.0)
+            self.send_bundle(reason, incident, exception=info, extra_members=members, timeout=3.0)
         except Exception as inner:
             log(f"could not record the exception: {type(inner).__name__}: {inner}")
 
@@ -597,8 +622,7 @@ class Agent:
                 return
             self.record_event("oom", **oom[0])
             incident = f"oom-r{self.identity.rank}-{uuid.uuid4().hex[:8]}"
-            archive = bundle_mod.build(self, "oom", incident, extra_members=oom[1])
-            bundle_mod.deliver(self, archive, incident, timeout=3.0)
+            self.send_bundle("oom", incident, extra_members=oom[1], timeout=3.0)
         except Exception as exc:
             log(f"could not record the OOM: {type(exc).__name__}: {exc}")
 
@@ -786,8 +810,7 @@ class Agent:
 
     def _dump(self, command: wire.Command) -> None:
         try:
-            archive = bundle_mod.build(self, command.reason or "request", command.incident)
-            bundle_mod.deliver(self, archive, command.incident)
+            self.send_bundle(command.reason or "request", command.incident)
         except Exception as exc:
             log(f"bundle for {command.incident} failed: {type(exc).__name__}: {exc}")
 

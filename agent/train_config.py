@@ -44,12 +44,13 @@ from rankwatch.wire import StepRecord
 from .device import DeferredReads
 from . import models as models_mod
 from .models import Forward, TrainedModels, unwrap, user_site
-from .patching import argument
+from .imports import ImportWatch
+from .patching import Patches, argument
 from .safety import guarded
 
 if TYPE_CHECKING:
     from .loaders import LoaderTracker
-    from .runtime import Agent
+    from .ports import Emit, StepProgress
 
 MASK = (1 << 52) - 1  # digests stay exact in any JSON reader's double
 MAX_FACTS = 64
@@ -95,8 +96,12 @@ def _fact_name(name: str) -> str:
 
 
 class TrainConfig:
-    def __init__(self, agent: "Agent", models: TrainedModels, loaders: Optional["LoaderTracker"]) -> None:
-        self.agent = agent
+    def __init__(self, models: TrainedModels, loaders: Optional["LoaderTracker"], *, emit: "Emit",
+                 progress: "StepProgress", patches: Patches, imports: ImportWatch) -> None:
+        self.emit = emit
+        self.progress = progress
+        self.patches = patches
+        self.imports = imports
         self.models = models
         self.loaders = loaders
         self.sent: dict[str, str] = {}
@@ -130,7 +135,7 @@ class TrainConfig:
         models.on_training_forward.append(self._on_forward)
         models.on_training_backward.append(self._on_backward)
         models.on_optimizer_pre.append(self._on_optimizer_pre)
-        self.agent.progress.step_extras.append(self._on_step_end)
+        self.progress.step_extras.append(self._on_step_end)
         self._patch_train()
         self._patch_clipping()
         self._patch_scaler()
@@ -155,7 +160,7 @@ class TrainConfig:
 
             return train
 
-        self.agent.patches.apply(torch.nn.Module, "train", make)
+        self.patches.apply(torch.nn.Module, "train", make)
 
     def _patch_clipping(self) -> None:
         import torch.nn.utils as utils
@@ -179,15 +184,15 @@ class TrainConfig:
             original = getattr(clip_grad, name, None)
             if original is None:
                 continue
-            wrapper = self.agent.patches.apply(clip_grad, name, make(kind))
+            wrapper = self.patches.apply(clip_grad, name, make(kind))
             if wrapper is not None:
-                self.agent.patches.alias(utils, name, original, wrapper)
+                self.patches.alias(utils, name, original, wrapper)
         def fsdp1_clip(fsdp) -> None:  # FSDP1's own method, once the job imports torch.distributed.fsdp
             owner = getattr(fsdp, "FullyShardedDataParallel", None)
             if owner is not None:
-                self.agent.patches.apply(owner, "clip_grad_norm_", lambda original: _method_clip(config, original))
+                self.patches.apply(owner, "clip_grad_norm_", lambda original: _method_clip(config, original))
 
-        self.agent.imports.when_imported("torch.distributed.fsdp", fsdp1_clip)
+        self.imports.when_imported("torch.distributed.fsdp", fsdp1_clip)
 
     def _patch_scaler(self) -> None:
         try:
@@ -206,7 +211,7 @@ class TrainConfig:
 
             return update
 
-        self.agent.patches.apply(GradScaler, "update", make)
+        self.patches.apply(GradScaler, "update", make)
 
     # -- observations (training thread) --------------------------------------------------------------
     @guarded("train_config.mode")
@@ -281,7 +286,7 @@ class TrainConfig:
         scale = getattr(scaler, "_scale", None)
         if not isinstance(scale, torch.Tensor) or not getattr(scaler, "_enabled", True):
             return
-        step = self.agent.progress.step
+        step = self.progress.step
         if models_mod.on_host(scale):
             self._scale = (step, float(scale.reshape(-1)[0]))
             return
@@ -358,7 +363,7 @@ class TrainConfig:
                         append(_rounded(_num(value)))
         if not parts:
             return None, None
-        lead = self.agent.progress._lead() if self.agent.progress._lead is not None else None
+        lead = self.progress.lead_optimizer()
         lr = None
         groups = getattr(lead, "param_groups", None)
         if groups:
@@ -433,7 +438,7 @@ class TrainConfig:
         for step, key, value in self._deferred:
             if self.sent.get(key) != value:
                 self.sent[key] = value
-                self.agent.record_event("train_config", step=step, facts=[[key, value]])
+                self.emit("train_config", step=step, facts=[[key, value]])
         self._deferred = []
         facts = self.current()
         changed = {k: v for k, v in facts.items() if self.sent.get(k) != v}
@@ -448,7 +453,7 @@ class TrainConfig:
             sites = [[k, self.sites[k]] for k in keys if self.sites.get(k)]
             if sites:
                 details["sites"] = sites
-            self.agent.record_event("train_config", step=record.step, **details)
+            self.emit("train_config", step=record.step, **details)
             for key in keys:
                 if changed[key]:
                     self.sent[key] = changed[key]
@@ -497,9 +502,10 @@ def _autocast_state() -> str:
     return ", ".join(out) if out else "off"
 
 
-def attach(agent: "Agent", models: Optional[TrainedModels], loaders: Optional["LoaderTracker"]) -> Optional[TrainConfig]:
+def attach(models: Optional[TrainedModels], loaders: Optional["LoaderTracker"], *, emit: "Emit",
+           progress: "StepProgress", patches: Patches, imports: ImportWatch) -> Optional[TrainConfig]:
     if models is None:
         return None
-    config = TrainConfig(agent, models, loaders)
+    config = TrainConfig(models, loaders, emit=emit, progress=progress, patches=patches, imports=imports)
     config.install()
     return config

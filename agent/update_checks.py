@@ -50,10 +50,11 @@ from .device import DeferredReads
 from .grad_checks import fp32_norms
 from . import models as models_mod
 from .models import Forward, TrainedModels
+from .patching import Patches
 from .safety import guarded
 
 if TYPE_CHECKING:
-    from .runtime import Agent
+    from .ports import Emit, StepProgress
 
 CHECK_STEPS = (0, 1, 2, 3)
 CHECK_EVERY = 64
@@ -91,8 +92,10 @@ def _lr_positive(group: dict) -> bool:
 
 
 class UpdateChecks:
-    def __init__(self, agent: "Agent", models: TrainedModels) -> None:
-        self.agent = agent
+    def __init__(self, models: TrainedModels, *, emit: "Emit", progress: "StepProgress", patches: Patches) -> None:
+        self.emit = emit
+        self.progress = progress
+        self.patches = patches
         self.models = models
         self.reader = DeferredReads()
         self.reported: set[str] = set()
@@ -121,7 +124,7 @@ class UpdateChecks:
         models.on_training_backward.append(self._on_backward)
         models.on_optimizer_pre.append(self._on_optimizer_pre)
         models.on_optimizer_post.append(self._on_optimizer_post)
-        self.agent.progress.step_extras.append(self._on_step_end)
+        self.progress.step_extras.append(self._on_step_end)
         checks = self
 
         def make_zero_grad(original):
@@ -132,8 +135,8 @@ class UpdateChecks:
 
             return zero_grad
 
-        self.agent.patches.apply(torch.optim.Optimizer, "zero_grad", make_zero_grad)
-        self.agent.patches.apply(torch.nn.Module, "zero_grad", make_zero_grad)
+        self.patches.apply(torch.optim.Optimizer, "zero_grad", make_zero_grad)
+        self.patches.apply(torch.nn.Module, "zero_grad", make_zero_grad)
 
     def _checking(self, step: int) -> bool:
         return step in CHECK_STEPS or step % CHECK_EVERY == 0 or step <= self._recheck_until
@@ -142,7 +145,7 @@ class UpdateChecks:
         if check in self.reported:
             return
         self.reported.add(check)
-        self.agent.record_event("broken_update", step=step, check=check, **details)
+        self.emit("broken_update", step=step, check=check, **details)
 
     # -- unreduced backward (every step: flags only) -------------------------------------------------
     @guarded("update_checks.backward")
@@ -157,12 +160,12 @@ class UpdateChecks:
     # -- optimizer step ----------------------------------------------------------------------------
     @guarded("update_checks.optimizer")
     def _on_optimizer_pre(self, optimizer: Any) -> None:
-        step = self.agent.progress.step
+        step = self.progress.step
         if self._unreduced is not None and not self._unreduced_reported:
             forward = self._unreduced
             self._unreduced_reported = True  # the first step it happened is what the collector needs
-            self.agent.record_event("unreduced_backward", step=step, via=forward.via, module=forward.root.label,
-                                    site=forward.site or "")
+            self.emit("unreduced_backward", step=step, via=forward.via, module=forward.root.label,
+                      site=forward.site or "")
         self._stale_at_step(optimizer, step)
         if not self._checking(step) or "not_updated" in self.reported:
             return
@@ -234,8 +237,8 @@ class UpdateChecks:
             return
         self.reported.add("update_unjudged")
         below.sort()
-        self.agent.record_event("update_unjudged", step=step, parameters=[n for n, _ in below[:MAX_NAMES]],
-                                count=len(below), largest_update_ulps=max(float(u) for _, u in below))
+        self.emit("update_unjudged", step=step, parameters=[n for n, _ in below[:MAX_NAMES]],
+                  count=len(below), largest_update_ulps=max(float(u) for _, u in below))
 
     def _note_unchanged(self, key: int, step: int, still: frozenset) -> None:
         previous = self._unchanged.get(key)
@@ -289,7 +292,7 @@ class UpdateChecks:
         self._disarm()
         if "grads_not_cleared" in self.reported:
             return
-        lead = self.agent.progress._lead() if self.agent.progress._lead is not None else None
+        lead = self.progress.lead_optimizer()
         members = {id(p) for g in getattr(lead, "param_groups", []) for p in g.get("params", [])}
         candidates = [(n, p) for n, p in self.models.named_parameters()
                       if id(p) in members and p.requires_grad and p.grad is not None and not p.grad.is_sparse
@@ -348,7 +351,7 @@ class UpdateChecks:
 
     def _stale_at_step(self, optimizer: Any, step: int) -> None:
         """Before the lead optimizer's next step: were its gradients cleared since the last one?"""
-        lead = self.agent.progress._lead() if self.agent.progress._lead is not None else None
+        lead = self.progress.lead_optimizer()
         if not self._watch or (lead is not None and optimizer is not lead):
             return
         for watch in self._watch:
@@ -482,9 +485,10 @@ def _norms64(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         return [torch.linalg.vector_norm(t, dtype=torch.float64) for t in tensors]
 
 
-def attach(agent: "Agent", models: Optional[TrainedModels]) -> Optional[UpdateChecks]:
+def attach(models: Optional[TrainedModels], *, emit: "Emit", progress: "StepProgress",
+           patches: Patches) -> Optional[UpdateChecks]:
     if models is None:
         return None
-    checks = UpdateChecks(agent, models)
+    checks = UpdateChecks(models, emit=emit, progress=progress, patches=patches)
     checks.install()
     return checks

@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 from rankwatch import config as config_mod
 from rankwatch import wire
-from rankwatch.agent import bundle as bundle_mod
 from rankwatch.agent.runtime import Agent
 
 
@@ -42,7 +41,7 @@ def test_bundles_built_while_steps_run(tmp_path):
     def build_bundles() -> None:
         while not stop.is_set():
             try:
-                bundle_mod.build(agent, "stress", f"stress-{built[0]}")
+                agent.build_bundle("stress", f"stress-{built[0]}")
                 built[0] += 1
             except Exception as exc:  # what the agent logged as "bundle ... failed"
                 failures.append(f"{type(exc).__name__}: {exc}")

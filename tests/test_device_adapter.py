@@ -300,7 +300,7 @@ def test_an_oom_that_ends_the_rank_is_oom_with_the_snapshot(agent, gpu, monkeypa
 
     gpu.snapshot = json.loads((DATA / "cuda_snapshot.json").read_text())
     delivered = []
-    monkeypatch.setattr(bundle_mod, "deliver", lambda agent, archive, incident, timeout=5.0: delivered.append(
+    monkeypatch.setattr(bundle_mod, "deliver", lambda archive, incident, timeout=5.0, **parts: delivered.append(
         (incident, archive)))
     model = DDP(_net())
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -330,7 +330,7 @@ def test_an_oom_names_the_device_total_as_such_and_summarises_the_ranks_own_devi
     gpu.total[1] = 80 << 30
     gpu.set_memory(1, 3 << 30, reserved=4 << 30)
     delivered = []
-    monkeypatch.setattr(bundle_mod, "deliver", lambda agent, archive, incident, timeout=5.0: delivered.append(
+    monkeypatch.setattr(bundle_mod, "deliver", lambda archive, incident, timeout=5.0, **parts: delivered.append(
         (incident, archive)))
     model = DDP(_net())
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

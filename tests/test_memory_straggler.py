@@ -55,8 +55,8 @@ def test_a_requested_profile_is_read_on_the_training_thread(monkeypatch):
                         lambda p, **kw: readers.append(threading.get_ident()) or real_summarize(p, **kw))
     monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace",
                         lambda self, path: readers.append(threading.get_ident()) or real_export(self, path))
-    agent = SimpleNamespace(progress=SimpleNamespace(step_extras=[]))
-    step_profiler = profiler_mod.StepProfiler(agent)
+    step_profiler = profiler_mod.StepProfiler(progress=SimpleNamespace(step_extras=[]), memory=None,
+                                              send_bundle=lambda *a, **k: "collector")
     monkeypatch.setattr(step_profiler, "_ship", lambda summary, trace, command: shipped.append((summary, trace)))
     step_profiler.on_command(wire.Command(kind="action", incident="profile-1", reason="straggler",
                                           details={"action": "profile", "steps": 2}))

@@ -1,0 +1,140 @@
+"""Each part of the agent is built with exactly what it uses (issue 28, part
+1): an event sink, the progress tracker, the patch registry, the config...
+never the `Agent`, and no part imports agent/runtime.py. So a check can be
+built and tested with fakes of those few things: no Agent, no process
+group, nothing of torch patched."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Optional
+
+import torch
+
+import rankwatch.agent
+from rankwatch import config as config_mod
+from rankwatch.agent import gradient_flow, loaders, safety, update_checks
+from rankwatch.agent.device import DeferredReads
+from rankwatch.agent.models import Forward, Root
+
+AGENT = Path(rankwatch.agent.__file__).parent
+TOP = {"runtime.py", "bootstrap.py", "__init__.py"}  # the composition and its entry points: may know the Agent
+
+
+class FakeEmit:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, Optional[int], dict[str, Any]]] = []
+
+    def __call__(self, kind: str, step: Optional[int] = None, **details: Any) -> None:
+        self.events.append((kind, step, details))
+
+
+class FakePatches:
+    """Records what a part would patch; patches nothing."""
+
+    def __init__(self) -> None:
+        self.applied: list[tuple[Any, str]] = []
+
+    def apply(self, owner: Any, name: str, make: Any) -> None:
+        self.applied.append((owner, name))
+        return None
+
+
+class FakeProgress:
+    def __init__(self, step: int = 0) -> None:
+        self.step = step
+        self.typical_loss = None
+        self.optimizer_steps = 0
+        self.reads = DeferredReads()
+        self.step_extras: list = []
+        self.backward_extras: list = []
+        self.record_complete: list = []
+
+    def defer(self, tensors, consume) -> None:
+        consume([float(t) for t in tensors])
+
+    def lead_optimizer(self) -> Any:
+        return None
+
+
+def _fake_models() -> SimpleNamespace:
+    return SimpleNamespace(on_training_forward=[], on_training_backward=[], on_optimizer_pre=[],
+                           on_optimizer_post=[], name_of=lambda p: None, named_parameters=lambda: [])
+
+
+def test_update_checks_built_from_fakes_report_an_unreduced_backward():
+    emit, progress, patches, models = FakeEmit(), FakeProgress(step=3), FakePatches(), _fake_models()
+    checks = update_checks.attach(models, emit=emit, progress=progress, patches=patches)
+    assert checks is not None
+    assert (torch.optim.Optimizer, "zero_grad") in patches.applied and (torch.nn.Module, "zero_grad") in patches.applied
+    assert progress.step_extras and models.on_training_backward and models.on_optimizer_pre
+    # A backward after a forward straight through `ddp.module` (DDP never sees it), then the optimizer steps.
+    forward = Forward(root=Root(module=None, label="Net"), args=(), kwargs={}, via="module", site="train.py:12")
+    models.on_training_backward[0]([forward])
+    models.on_optimizer_pre[0](SimpleNamespace(param_groups=[]))
+    assert emit.events == [("unreduced_backward", 3, {"via": "module", "module": "Net", "site": "train.py:12"})]
+    assert not any(name.startswith("update_checks") for name in safety._disabled)
+
+
+def test_gradient_flow_built_from_fakes_names_parameters_without_a_gradient():
+    emit, progress = FakeEmit(), FakeProgress()
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+    flow = gradient_flow.attach(SimpleNamespace(module=model), config=config_mod.Config(), emit=emit,
+                                progress=progress)
+    model[1](torch.randn(2, 3)).sum().backward()  # the first layer never gets a gradient
+    for step in range(gradient_flow.WATCH_STEPS):
+        progress.step_extras[0](SimpleNamespace(step=step))
+    assert [(kind, details["parameters"]) for kind, _, details in emit.events] == [
+        ("unused_parameters", ["0.weight", "0.bias"])]
+    assert flow.handles == []  # the per-parameter hooks are gone after the first steps
+
+
+def test_a_loader_tracker_patches_through_the_registry_it_is_given():
+    patches = FakePatches()
+    assert loaders.attach(config=config_mod.Config(silent_checks=False), patches=patches) is None
+    tracker = loaders.attach(config=config_mod.Config(), patches=patches)
+    assert tracker is not None
+    assert [name for _, name in patches.applied] == ["__next__", "__enter__"]
+
+
+def test_the_progress_tracker_has_all_the_parts_use_of_it():
+    from rankwatch.agent import ports
+    from rankwatch.agent.progress import Progress
+
+    members = [n for n in vars(ports.StepProgress) if not n.startswith("_")] + list(ports.StepProgress.__annotations__)
+    progress = Progress()
+    assert len(members) > 10 and [n for n in members if not hasattr(progress, n)] == []
+
+
+def _annotation_names(node: Optional[ast.expr]) -> set[str]:
+    if node is None:
+        return set()
+    names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+    names |= {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+    names |= {n.value.strip() for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    return names
+
+
+def test_no_part_imports_the_runtime_or_receives_the_agent():
+    parts = sorted(p for p in AGENT.glob("*.py") if p.name not in TOP)
+    assert len(parts) > 10
+    offences = []
+    for path in parts:
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                module = node.module or ""
+                names = {a.name for a in node.names}
+                if (module.endswith("runtime") or ("runtime" in names and (not module or module.endswith("agent")))):
+                    offences.append(f"{path.name}:{node.lineno} imports the runtime")
+            elif isinstance(node, ast.Import):
+                if any(a.name.endswith("agent.runtime") for a in node.names):
+                    offences.append(f"{path.name}:{node.lineno} imports the runtime")
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = node.args
+                for arg in args.posonlyargs + args.args + args.kwonlyargs:
+                    if "Agent" in _annotation_names(arg.annotation) or arg.arg == "agent":
+                        offences.append(f"{path.name}:{node.lineno} {node.name}() takes the Agent ({arg.arg})")
+    assert not offences, "\n".join(offences)
