@@ -301,6 +301,33 @@ def run_one(job: Job, seed: int, steps: int, workdir: Path, timeout_s: float,
     return row
 
 
+def reanalyze(row: dict, work: Path) -> dict:
+    """The row's verdicts, margins and notes again, from its recorded run
+    (the collector's store in the run dir under ``work``) with this
+    checkout's analyses: `rankwatch analyze` runs the live collector's
+    analyses on the same records (on an unchanged checkout the two agree to
+    the digit). For a table whose analyses changed after the runs, without
+    running the jobs again. A row whose run dir is gone is kept as it is."""
+    if "failed" in row or row["job"] not in BY_NAME:
+        return row
+    workdir = work / f"{row['job']}-s{row['seed']}"
+    run_dir = command(BY_NAME[row["job"]], row["seed"], row["steps_requested"], workdir)[1].parent
+    if not (run_dir / "collector.sqlite").is_file():
+        return row
+    out = subprocess.run([sys.executable, "-m", "rankwatch.cli", "analyze", "--json", str(run_dir)],
+                         capture_output=True, text=True, cwd=tempfile.gettempdir(), timeout=600)
+    try:
+        report = json.loads(out.stdout)
+    except ValueError:
+        return row
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    return {**row, "verdicts": [{"kind": v.get("kind"), "ranks": v.get("ranks"), "step": v.get("step"),
+                                 "summary": v.get("summary")} for v in report.get("verdicts") or []],
+            "margins": report.get("margins") or {}, "notes": report.get("notes") or [],
+            "analyzed": f"rankwatch analyze at {commit or 'this checkout'}"}
+
+
 def _versions(python: str, libraries: tuple[str, ...]) -> dict:
     found = versions(python, ("torch", *libraries))
     return {"torch": found.pop("torch"), "libraries": found}
@@ -374,6 +401,11 @@ def table(rows: list[dict], steps: int, seeds: int, selected: list[str]) -> str:
     fired = sorted(c for c in checks if c not in GRADED and worst.get(c, (0.0, ""))[0] > 0)
     lines.append(f"- yes/no checks ({', '.join(f'`{c}`' for c in checks if c not in GRADED)}): "
                  + (", ".join(f"`{c}` fired ({worst[c][1]})" for c in fired) if fired else "none fired"))
+    analyzed = sorted({r["analyzed"] for r in ran if "analyzed" in r})
+    if analyzed:
+        lines += ["", f"Verdicts, margins and notes of {sum('analyzed' in r for r in ran)} of the {len(ran)} runs are "
+                      f"from {', '.join(analyzed)}: the live collector's analyses run again on each run's recorded "
+                      "store (`bench/zoo.py --reanalyze`), after the analyses changed; the jobs themselves ran once."]
     lines += ["", f"Target: {steps} steps, {seeds} seeds per job.", "",
               "## Jobs", "",
               "| job | libraries | trainer | ranks | steps | seeds | s/run | verdicts | "
@@ -448,6 +480,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "rankwatch-zoo",
                         help="each run's folder (run dir, output.log), kept for a look after")
     parser.add_argument("--list", action="store_true", help="the jobs and how long each takes")
+    parser.add_argument("--reanalyze", action="store_true",
+                        help="verdicts and margins of OUT/results.jsonl's rows again from their recorded runs under "
+                             "--work, with this checkout's analyses (then the table)")
     parser.add_argument("--vision-venv", type=Path, default=VISION_VENV,
                         help="the torchvision/timm jobs' venv, made on first use (default: %(default)s)")
     a = parser.parse_args(argv)
@@ -466,11 +501,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         out = Path(tempfile.mkdtemp(prefix="zoo-quick-"))
     out.mkdir(parents=True, exist_ok=True)
     results = out / "results.jsonl"
-    rows = load(results) if (a.resume or a.table) else []
-    if not a.resume and not a.table:
+    keep = a.resume or a.table or a.reanalyze
+    rows = load(results) if keep else []
+    if not keep:
         results.write_text("")
     done = {(r["job"], r["seed"]) for r in rows if "failed" not in r and r.get("steps_requested", 0) >= a.steps}
-    if not a.table:
+    if a.reanalyze:
+        rows = [reanalyze(row, a.work) for row in load(results)]
+        results.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        print(f"zoo: {sum('analyzed' in r for r in rows)} of {len(rows)} rows analysed again", flush=True)
+    elif not a.table:
         pythons: dict[str, tuple[Optional[str], str]] = {}  # the vision venv, made once per invocation
         for name in names:
             for seed in range(a.first_seed, a.first_seed + a.seeds):
