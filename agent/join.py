@@ -16,9 +16,10 @@ So each shadowed iteration that synchronizes gradients is a step of this
 rank too, a *shadow step*: a record with no forward and no compute time
 (`Progress.shadow_step`). An iteration under `no_sync` (gradient
 accumulation) is a micro-batch, not a step, on the ranks that train and on
-this one alike. Checked against torch 2.4-2.13's `_DDPJoinHook`, whose
-`main_hook` sets `ddp.require_forward_param_sync` to whether the iteration
-synchronized.
+this one alike. Read against torch 2.13's `_DDPJoinHook` (not yet checked
+against 2.4-2.12), whose `main_hook` sets `ddp.require_forward_param_sync`
+to whether the iteration synchronized. Host-side only (no device work);
+never ran on a GPU.
 
 The first shadow step of each rank is also an event (`join_shadowed`): the
 rank's optimizer skipped that step, so its state (momentum, Adam's moments
