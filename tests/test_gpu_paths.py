@@ -123,7 +123,7 @@ def test_a_slow_device_is_a_straggler_though_its_host_is_not(tmp_path):
         model = DDP(torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 1)))
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         torch.manual_seed(100 + rank)  # DATA_SEED: each rank's own batches
-        for step in range(60):
+        for step in range(120):  # a slow rank is persistent after 5 s
             opt.zero_grad()
             model(torch.randn(32, 32)).pow(2).mean().backward()
             opt.step()
@@ -242,7 +242,7 @@ def test_without_ddp_a_slow_device_is_a_straggler_from_device_time(tmp_path):
             double.extra_s = 0.06
         double.set_memory(double.device, (1 + rank) << 30, reserved=8 << 30)
         torch.manual_seed(100 + rank)  # DATA_SEED: each rank's own batches
-        for step in range(60):
+        for step in range(120):  # a slow rank is persistent after 5 s
             opt.zero_grad()
             model(torch.randn(32, 32)).pow(2).mean().backward()
             average_gradients()
@@ -318,7 +318,7 @@ def test_fsdp2_a_slow_device_is_a_straggler(tmp_path):
         if rank == 1:
             double.extra_s = 0.06
         torch.manual_seed(100 + rank)  # DATA_SEED: each rank's own batches
-        for step in range(60):
+        for step in range(100):  # a slow rank is persistent after 5 s
             model(torch.randn(32, 16)).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()

@@ -206,7 +206,7 @@ def test_collector_annotates_grafana_for_each_verdict(fake_grafana, tmp_path, tr
 
 
 def test_plot_and_tensorboard_of_a_straggler_run(tmp_path, train_script):
-    job = run_job(tmp_path, ["--nproc-per-node", "2", str(train_script), "--steps", "40", "--fault", "slow",
+    job = run_job(tmp_path, ["--nproc-per-node", "2", str(train_script), "--steps", "100", "--fault", "slow",
                              "--fault-rank", "1", "--fault-step", "5", "--fault-size", "60"])
     png, tb = tmp_path / "run.png", tmp_path / "tb"
     out = subprocess.run([sys.executable, "-m", "rankwatch.cli", "analyze", str(job.run_dir), "--plot", str(png),

@@ -141,7 +141,7 @@ def jobs(tmp_path_factory):
                          "--fault", "hang", "--fault-rank", "1", "--fault-step", "6"],
                 "nan": ["--nproc-per-node", "2", str(TRAIN), "--steps", "14", "--fault", "nan",
                         "--fault-rank", "1", "--fault-step", "6"],
-                "straggler": ["--nproc-per-node", "2", str(TRAIN), "--steps", "40", "--fault", "slow",
+                "straggler": ["--nproc-per-node", "2", str(TRAIN), "--steps", "60", "--fault", "slow",
                               "--fault-rank", "1", "--fault-step", "0", "--fault-size", "120"],
                 "healthy": ["--nproc-per-node", "2", str(TRAIN), "--steps", "16"],
             }[kind]

@@ -18,6 +18,10 @@ class FaultKind:
     name: str
     expected: str  # the verdict kind a tool should give (rankwatch's vocabulary, docs/contract.md)
     how: str  # how the injector makes it, for the docs
+    # steps per job, where the fault needs more than STEPS to be named: a slow
+    # rank is persistent once it has lasted 5 s (collector/analyses/straggler.py),
+    # ~150 of the quick shapes' 35 ms steps
+    steps: Optional[int] = None
 
 
 FAULTS: dict[str, FaultKind] = {k.name: k for k in (
@@ -38,7 +42,7 @@ FAULTS: dict[str, FaultKind] = {k.name: k for k in (
     FaultKind("weight_divergence", "weight_divergence", "after the optimizer step, N(0, 1e-3) noise is added "
               "to that replica's parameters, once"),
     FaultKind("straggler", "straggler", "every step's first forward sleeps as long as the rank's median step "
-              "(about 2x slower)"),
+              "(about 2x slower)", steps=200),
     FaultKind("leak", "memory_growth", "16 MiB kept alive after every optimizer step"),
     FaultKind("config_divergence", "config_divergence", "the rank's model is switched to eval mode "
               "(dropout off) at each step's first forward"),
@@ -98,6 +102,7 @@ def plan_run(shape: str, kind: str, seed: int, world_size: int = WORLD_SIZE, ste
     if kind == HEALTHY:
         return RunPlan(shape, kind, seed, None, None, "", world_size, steps)
     rng = random.Random(f"{shape}/{kind}/{seed}")
+    steps = max(steps, FAULTS[kind].steps or 0) if kind in FAULTS else steps
     rank = rng.randrange(world_size)
     step = rng.randint(FIRST_FAULT_STEP, LAST_FAULT_STEP)
     variant = rng.choice(["small", "large"]) if kind == "collective_mismatch" else ""

@@ -20,6 +20,20 @@ host (two gloo ranks on two cores, the zoo) step times jitter by 13-20 %,
 and healthy ranks drift ~25 % apart for tens of steps as the scheduler
 moves work between cores: before, that put a healthy rank over 1.33x on 7
 of 12 steps (docs/zoo.md, hf_t5_trainer).
+
+Persistence is counted in time as well as in steps: the window is the last
+WINDOW steps or the steps of the last MIN_SPAN_S seconds, whichever is
+longer. A step's time here is its slowest rank's own time (the least the
+step can take), not the host's clock: a GPU's host queues work ahead of the
+device, so host time runs ahead of the work being judged. A slow device or host stays slow for minutes; what moves CPU time
+between co-located ranks (the scheduler's migrations, writeback, another
+process's burst) comes and goes within seconds, and on a short step it can
+fill twelve steps: on the zoo's diffusers UNet (80 ms steps, two gloo ranks
+on two cores) rank 1 took 40 ms where rank 0 took 67 on 8 of 12 steps,
+about 1.3 s, while the job's step time did not move (its margin was 0.89).
+With steps of 0.4 s or more (most GPU jobs) twelve steps already span the
+5 s and nothing changes; on shorter steps a verdict waits for 5 s of
+evidence, at most MAX_WINDOW_STEPS steps.
 """
 
 from __future__ import annotations
@@ -39,6 +53,9 @@ THRESHOLD = 1.33  # own / peers' median time (1 / 0.75)
 WINDOW = 12  # steps
 PERSISTENCE = 0.75  # fraction of the window's steps that must be over the threshold
 MIN_EXCESS_S = 0.02  # ignore differences below this (timer noise, tiny steps)
+MIN_SPAN_S = 5.0  # the window covers at least this much of the run's time (see the module's docstring)
+MAX_WINDOW_STEPS = 512  # ... and at most this many steps (steps under 10 ms)
+WINDOW_ENTRIES = 1_200_000  # ... and at most this many (step, rank) entries: 12 steps of 100,000 ranks
 SKIP_FIRST = 3  # start-up steps (bucket rebuild, warm caches)
 JITTER_STEPS = 48  # steps of consecutive-difference samples behind the jitter estimate
 JITTER_RANKS = 64  # ranks sampled per step for it (a stride over the ranks)
@@ -52,23 +69,30 @@ def own_time(record: wire.StepRecord) -> Optional[float]:
 
 
 class Tracker:
-    """The last WINDOW steps that every rank reported, each rank's time next
-    to its peers' median at that step (computed once per step for all ranks),
-    and a running count of the steps each rank was over the threshold. A rank
-    is scored over the window only when that count makes it a candidate."""
+    """The window's steps that every rank reported (the last WINDOW steps or
+    MIN_SPAN_S seconds, whichever is longer), each rank's time next to its
+    peers' median at that step (computed once per step for all ranks), and a
+    running count of the steps each rank was over the threshold. A rank is
+    scored over the window only when that count makes it a candidate."""
 
     def __init__(self) -> None:
         # step -> rank -> (own, peers' median, over, data_s, started_at)
-        self.window: collections.deque[tuple[int, dict[int, tuple]]] = collections.deque(maxlen=WINDOW)
+        self.window: collections.deque[tuple[int, dict[int, tuple]]] = collections.deque()
+        self.window_s: collections.deque[float] = collections.deque()  # each window step's slowest own time
+        self.span_s = 0.0  # their sum
+        self.max_steps = MAX_WINDOW_STEPS
         self.over: dict[int, int] = {}
         self.finding: Optional[dict] = None
         self.scores: dict[int, dict] = {}  # latest window, every rank (metrics)
         self.scored_step = -1
         # rank -> (step, started_at) since which it has been over the threshold
-        # without a whole window clear of it: the verdict's step (a rank slow
-        # from step 0 is labelled 0, not the step its window filled). The
-        # start-up steps are not scored but do say where a streak began.
+        # without WINDOW steps in a row clear of it: the verdict's step (a rank
+        # slow from step 0 is labelled 0, not the step its window filled). The
+        # start-up steps are not scored but do say where a streak began. A
+        # window of seconds holds stray steps over the bound long before a
+        # slowdown: they do not start its streak.
         self.since: dict[int, tuple[int, float]] = {}
+        self.last_over: dict[int, int] = {}  # rank -> the latest step it was over (ranks in `since`)
         self.early: dict[int, tuple[int, float]] = {}  # the first start-up step each rank was over
         # The job's own step-to-step jitter of log(own / peers): |x_t - x_(t-1)|
         # of a sample of ranks, and each sampled rank's last x.
@@ -110,33 +134,62 @@ class Tracker:
             self._early(step, times, peers, records)
             return
         entry = {}
+        slowest = 0.0  # the step's least duration: its slowest rank's own time
         for rank, mine in paced(times.items()):
             others = peers[rank]
             over = self._over(mine, others)
             rec = records[rank]
+            slowest = max(slowest, mine)
             entry[rank] = (mine, others, over, rec.data_s, rec.started_at)
             if over:
                 self.over[rank] = self.over.get(rank, 0) + 1
-                if rank not in self.since:
+                if rank not in self.since or step - self.last_over[rank] > WINDOW:
                     self.since[rank] = self.early.get(rank, (step, rec.started_at))
+                self.last_over[rank] = step
         self.early.clear()  # counts only for a rank over from the first scored step
-        if len(self.window) == WINDOW:
-            for rank, old in self.window[0][1].items():
-                if old[2]:
-                    left = self.over[rank] - 1
-                    if left:
-                        self.over[rank] = left
-                    else:
-                        del self.over[rank]
-                        self.since.pop(rank, None)  # a whole window clear: a later slowness is a new one
         self.window.append((step, entry))
+        # A record may stand for several steps: the agent thins them on short
+        # steps, so the ones in between count at this one's pace.
+        span = slowest * min(max(1, step - self.window[-2][0]) if len(self.window) > 1 else 1, WINDOW)
+        self.window_s.append(span)
+        self.span_s += span
+        self.max_steps = max(WINDOW, min(MAX_WINDOW_STEPS, WINDOW_ENTRIES // len(times)))
+        while len(self.window) > WINDOW and (len(self.window) > self.max_steps
+                                             or self.span_s - self.window_s[0] >= MIN_SPAN_S):
+            self._drop_oldest()
+        needed = self.steps_needed()
         if self.over:  # margin: the steps over the threshold in the window, against the persistence needed
             worst = max(self.over, key=self.over.get)
-            note_margin(run, "straggler", self.over[worst] / (PERSISTENCE * WINDOW), step, worst)
-        if len(self.window) < WINDOW:
+            note_margin(run, "straggler", self.over[worst] / (PERSISTENCE * needed), step, worst)
+        if len(self.window) < needed:
             return
         if self.finding is None:
             self._evaluate(run)
+
+    def _drop_oldest(self) -> None:
+        _, entry = self.window.popleft()
+        self.span_s -= self.window_s.popleft()
+        for rank, old in entry.items():
+            if old[2]:
+                left = self.over[rank] - 1
+                if left:
+                    self.over[rank] = left
+                else:
+                    del self.over[rank]
+                    self.since.pop(rank, None)  # a whole window clear: a later slowness is a new one
+                    self.last_over.pop(rank, None)
+
+    def steps_needed(self) -> int:
+        """The steps a full window holds at the run's current pace: WINDOW,
+        or as many as span MIN_SPAN_S (at most max_steps)."""
+        n = len(self.window)
+        if n == 0:
+            return WINDOW
+        if self.span_s >= MIN_SPAN_S:
+            return max(WINDOW, n)
+        pace = self.span_s / n
+        more = math.ceil(MIN_SPAN_S / pace) + 1 if pace > 0 else self.max_steps
+        return max(WINDOW, min(self.max_steps, more))
 
     def _early(self, step: int, times: dict[int, float], peers: dict[int, float],
                records: dict[int, wire.StepRecord]) -> None:
@@ -151,10 +204,10 @@ class Tracker:
         asked, at most once a window (~15 us a rank: 1.5 s at 100,000 ranks,
         not on every sealed step)."""
         window = list(self.window)
-        if len(window) < WINDOW:
+        if len(window) < self.steps_needed():
             return self.scores
         step = window[-1][0]
-        if step - self.scored_step >= WINDOW or not self.scores:
+        if step - self.scored_step >= len(window) or not self.scores:
             self.scores = {r: self._score(r, window) for r in paced(list(window[-1][1]))}
             self.scored_step = step
         return self.scores
@@ -177,7 +230,7 @@ class Tracker:
 
     def _evaluate(self, run: RunState) -> None:
         # Only a rank over the threshold on most of the window can be slow.
-        candidates = [r for r, n in self.over.items() if n >= PERSISTENCE * WINDOW]
+        candidates = [r for r, n in self.over.items() if n >= PERSISTENCE * len(self.window)]
         slow = {}
         for rank in candidates:
             d = self._score(rank)
