@@ -32,16 +32,20 @@ UNET = json.loads((Path(__file__).parent / "data" / "zoo_diffusers_unet_step_tim
 T0 = float(int(time.time()) + 100_000)
 
 
-def _run(slow_rank: int = -1, slow_from: int = 10**9, factor: float = 1.0) -> RunState:
-    compute, data = DATA["compute_s"], DATA["data_s"]
+def _run(slow_rank: int = -1, slow_from: int = 10**9, factor: float = 1.0, recorded: dict = DATA) -> RunState:
+    """A recorded run replayed into a RunState, one rank made ``factor`` times
+    slower from ``slow_from``; on the recording's own clock where it has one
+    (100 ms steps otherwise)."""
+    compute, data = recorded["compute_s"], recorded["data_s"]
+    started = recorded.get("started_s") or {r: [0.1 * s for s in range(len(v))] for r, v in compute.items()}
     run = RunState(run_id="jitter", world_size=2)
-    at = T0
     for step in range(len(compute["0"])):
         for rank in (0, 1):
             own = compute[str(rank)][step] * (factor if rank == slow_rank and step >= slow_from else 1.0)
-            run.rank(rank).add_step(wire.StepRecord(step=step, started_at=at, ended_at=at + 0.1, compute_s=own,
-                                                    data_s=data[str(rank)][step], loss=1.0, grad_norm=1.0))
-        at += 0.1
+            at = T0 + started[str(rank)][step]
+            run.rank(rank).add_step(wire.StepRecord(step=step, started_at=at, ended_at=at + own + 0.015,
+                                                    compute_s=own, data_s=data[str(rank)][step], loss=1.0,
+                                                    grad_norm=1.0))
     return run
 
 
@@ -64,16 +68,7 @@ def test_a_rank_twice_as_slow_on_top_of_the_same_jitter_is_named_from_about_the_
 
 def _unet(slow_rank: int = -1, slow_from: int = 10**9, factor: float = 1.0) -> RunState:
     """The recorded UNet run, with its own clock (80 ms steps)."""
-    compute, data, started = UNET["compute_s"], UNET["data_s"], UNET["started_s"]
-    run = RunState(run_id="unet", world_size=2)
-    for step in range(len(compute["0"])):
-        for rank in (0, 1):
-            own = compute[str(rank)][step] * (factor if rank == slow_rank and step >= slow_from else 1.0)
-            at = T0 + started[str(rank)][step]
-            run.rank(rank).add_step(wire.StepRecord(step=step, started_at=at, ended_at=at + own + 0.015,
-                                                    compute_s=own, data_s=data[str(rank)][step], loss=1.0,
-                                                    grad_norm=1.0))
-    return run
+    return _run(slow_rank, slow_from, factor, recorded=UNET)
 
 
 def test_a_second_of_host_contention_on_short_steps_is_not_a_persistent_straggler():
