@@ -41,6 +41,8 @@ def main(argv=None) -> int:
     parser.add_argument("--ranks", type=int, default=10_000)
     parser.add_argument("--reports", type=int, default=4_000, help="steady reports timed")
     parser.add_argument("--no-parts", action="store_true", help="no per-part timers (the total alone, for py-spy)")
+    parser.add_argument("--profile", metavar="FILE", help="cProfile the steady reports and the tick after them into FILE "
+                        "(pstats format; implies --no-parts)")
     args = parser.parse_args(argv)
 
     bench = _load_bench()
@@ -69,6 +71,12 @@ def main(argv=None) -> int:
     for node in range(nodes):
         routes.handle("POST", "/v1/node-report", body(node, None, step), lambda k: None)
     collector.tick(time.time())
+    # The collector's own garbage-collection regime, as its loop sets it past
+    # GC_MANUAL_RANKS (no automatic full collection; a full one, the survivors
+    # frozen, every few minutes): here its first full collection after start-up.
+    collector._collect_garbage(time.time())
+    collector._gc_full_at = 0.0
+    collector._collect_garbage(time.time())
 
     totals: dict[str, float] = collections.defaultdict(float)
     calls: dict[str, int] = collections.defaultdict(int)
@@ -86,7 +94,7 @@ def main(argv=None) -> int:
 
         setattr(owner, name, wrapper)
 
-    if not args.no_parts:
+    if not (args.no_parts or args.profile):
         timed(codec, "loads_node_report", "decode (JSON + typed checks)")
         timed(service, "_expand_step_rows", "step rows -> records")
         timed(collector, "ingest_node", "node view")
@@ -104,6 +112,12 @@ def main(argv=None) -> int:
         last = step + per_report * (i // nodes)
         bodies.append(body(node, last, last + per_report))
     sizes = sorted(len(b) for b in bodies)
+    profiler = None
+    if args.profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     started = time.perf_counter()
     for raw in bodies:
         status = routes.handle("POST", "/v1/node-report", raw, lambda k: None)[0]
@@ -112,10 +126,13 @@ def main(argv=None) -> int:
     tick_started = time.perf_counter()
     collector.tick(time.time())
     tick = time.perf_counter() - tick_started
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(args.profile)
     n = len(bodies)
     print(f"{args.ranks} ranks, {n} steady 8-rank node reports (median {sizes[len(sizes) // 2]} bytes, "
           f"cadence {interval:g} s, stride {stride}): {1e6 * total / n:.0f} us per report in all "
-          f"(Routes.handle, parts timed: {not args.no_parts})")
+          f"(Routes.handle, parts timed: {not (args.no_parts or args.profile)})")
     for label, seconds in totals.items():
         print(f"  {label:40s} {1e6 * seconds / n:8.1f} us per report ({calls[label] / n:.0f} calls)")
     print(f"tick after them: {1000 * tick:.0f} ms")

@@ -325,13 +325,21 @@ def parse(raw: bytes, what: str, limit: int = wire.MAX_MESSAGE_BYTES) -> Any:
     answer (a NaN token, a precise count of objects, the error text)."""
     if len(raw) > limit:
         raise wire.WireError(f"{what}: {len(raw)} bytes exceed the {limit}-byte limit")
-    if _msgspec is None or (raw.count(b"{") + raw.count(b"[") > wire.MAX_JSON_CONTAINERS // 2
-                            or raw.count(b",") > wire.MAX_JSON_VALUES // 2):
+    if _msgspec is None or _near_bounds(raw):
         return wire.parse_json(raw, what, limit)
     try:
         return _msgspec_decode(raw)
     except (_msgspec.DecodeError, RecursionError, UnicodeDecodeError):
         return wire.parse_json(raw, what, limit)
+
+
+def _near_bounds(raw: bytes) -> bool:
+    """Might the text hold more containers or values than wire allows? Then
+    wire.parse_json counts them exactly (and says so)."""
+    if len(raw) <= wire.MAX_JSON_CONTAINERS // 2:  # fewer bytes than either count could exceed
+        return False
+    return (raw.count(b"{") + raw.count(b"[") > wire.MAX_JSON_CONTAINERS // 2
+            or raw.count(b",") > wire.MAX_JSON_VALUES // 2)
 
 
 def loads_heartbeat(raw: bytes) -> wire.Heartbeat:
@@ -398,7 +406,201 @@ def _decode_node(d: Any, path: str) -> wire.NodeHeartbeat:
         return _decode_node_slow(d, path)
 
 
+# -- The typed road: a whole node report of the common shape in one pass ---------------
+#
+# msgspec decodes the report straight into typed structs whose constraints
+# (ranges, patterns, lengths) are checked in C while the JSON is read: no
+# Python dict per message and no Python check per value. The constraints are
+# those of the checks above (at least as strict as wire's rules); whatever
+# they refuse (a NaN loss sent as a string, an unknown field, a value out of
+# range) is decoded again by the road above, which gives wire's answer. What
+# the structs cannot say (rank < world size, a host name's rules, printable
+# parameter names) is checked in Python, once per identity or per list.
+
+if _msgspec is not None:
+    from typing import Annotated, Literal
+
+    _Meta = _msgspec.Meta
+    _Count = Annotated[int, _Meta(ge=0, le=_MAX_COUNT)]
+    _Time = Annotated[float, _Meta(ge=0.0, le=_MAX_TIME)]
+    _Bytes = Annotated[int, _Meta(ge=0, le=_MAX_INT)]
+    _Rank = Annotated[int, _Meta(ge=0, lt=_MAX_WORLD)]
+    _Token = Annotated[str, _Meta(pattern=wire._TOKEN.pattern)]
+    _Seqs = Annotated[dict[Annotated[str, _Meta(max_length=64, pattern=wire._TOKEN.pattern)],
+                           Annotated[int, _Meta(ge=-1, le=_MAX_INT)]], _Meta(max_length=64)]
+    _Row = tuple[
+        _Count, _Time, _Time, _Count,  # step, started_at, ended_at, forwards
+        Optional[Annotated[float, _Meta(ge=0.0, le=_MAX_DURATION)]],  # compute_s
+        Optional[Annotated[float, _Meta(ge=0.0, le=_MAX_DURATION)]],  # data_s
+        Optional[Annotated[float, _Meta(ge=-1e308, le=1e308)]],  # loss (non-finite ones: the road above)
+        Optional[Annotated[float, _Meta(ge=-1e308, le=1e308)]],  # grad_norm
+        _Count, _Count,  # nonfinite_grads, grad_check_stride
+        Optional[_Bytes], Optional[_Bytes], Optional[_Bytes], Optional[_Bytes],  # rss, device a/r/p
+        Optional[_Count], Optional[_Count],  # batch_fp, optim_fp
+        Optional[Annotated[float, _Meta(ge=0.0, le=1e12)]],  # lr
+    ]
+    assert len(_Row.__args__) == len(_STEP_COLUMNS)
+    _List = _Meta(max_length=wire.MAX_LIST_ITEMS)
+
+    class _TypedIdentity(_msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+        run_id: Annotated[str, _Meta(min_length=1, pattern=wire.ID_PATTERN.pattern)]
+        rank: _Rank
+        local_rank: _Rank
+        world_size: Annotated[int, _Meta(ge=1, le=_MAX_WORLD)]
+        node_rank: _Rank = 0
+        host: Annotated[str, _Meta(max_length=255)] = ""
+        pid: Annotated[int, _Meta(ge=0, le=wire.MAX_PID)] = 0
+        attempt: _Count = 0
+
+    class _TypedMark(_msgspec.Struct, forbid_unknown_fields=True):
+        step: _Count
+        seqs: _Seqs = {}
+
+    class _TypedBeat(_msgspec.Struct, forbid_unknown_fields=True):
+        identity: _TypedIdentity
+        sent_at: _Time
+        version: Annotated[int, _Meta(ge=0, le=wire.WIRE_VERSION)] = 1
+        seq: _Count = 0
+        step: _Count = 0
+        forwards: _Count = 0
+        phase: _Token = "startup"
+        phase_since: _Time = 0.0
+        last_progress_at: _Time = 0.0
+        collectives_enqueued: _Seqs = {}
+        collectives_completed: _Seqs = {}
+        step_columns: list[str] = []
+        step_rows: Annotated[list[_Row], _List] = []
+        marks: Annotated[list[_TypedMark], _List] = []
+        steps: Annotated[list[Any], _List] = []  # older agents: wire's decoder
+        events: Annotated[list[Any], _List] = []  # rare: wire's decoder
+        fingerprints: Annotated[list[Any], _List] = []  # checked by _fingerprints
+        host_memory: Annotated[dict[_Token, _Bytes], _Meta(max_length=16)] = {}
+        steps_skipped: _Count = 0
+        busy_cpu_s: Optional[_Time] = None
+        io_bytes: Optional[_Bytes] = None
+        wakeups: Optional[_Bytes] = None
+
+    class _TypedWorker(_msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+        local_rank: _Rank
+        rank: _Rank
+        pid: Annotated[int, _Meta(ge=1, le=wire.MAX_PID)]
+        alive: bool = True
+        exit_code: Optional[Annotated[int, _Meta(ge=-wire.MAX_EXIT_CODE, le=wire.MAX_EXIT_CODE)]] = None
+        exited_at: Optional[_Time] = None
+
+    class _TypedNode(_msgspec.Struct, forbid_unknown_fields=True):
+        run_id: Annotated[str, _Meta(min_length=1, pattern=wire.ID_PATTERN.pattern)]
+        host: Annotated[str, _Meta(max_length=255)]
+        node_rank: _Rank
+        world_size: Annotated[int, _Meta(ge=0, le=_MAX_WORLD)]
+        sent_at: _Time
+        hang_timeout: Optional[Annotated[float, _Meta(ge=1e-3, le=_MAX_DURATION)]] = None
+        on_hang: Literal["abort", "wait"] = "abort"
+        workers: Annotated[list[_TypedWorker], _Meta(max_length=4096)] = []
+        finished: bool = False
+        launcher_pid: Annotated[int, _Meta(ge=0, le=wire.MAX_PID)] = 0
+        version: Annotated[int, _Meta(ge=0, le=wire.WIRE_VERSION)] = 1
+
+    class _TypedReport(_msgspec.Struct):
+        version: Annotated[int, _Meta(ge=0, le=wire.WIRE_VERSION)] = 1
+        sent_at: _Time = 0.0
+        node: Optional[_TypedNode] = None
+        heartbeats: Annotated[list[_TypedBeat], _List] = []
+
+    _typed_report_decode = _msgspec.json.Decoder(_TypedReport).decode
+    _typed_errors = (_msgspec.DecodeError, RecursionError, UnicodeDecodeError)
+    _typed_identities: dict[Any, wire.RankIdentity] = {}
+
+
+def _typed_identity(d) -> wire.RankIdentity:
+    cached = _typed_identities.get(d)
+    if cached is not None:
+        return cached
+    if d.rank >= d.world_size or d.local_rank >= d.world_size or d.node_rank >= d.world_size:
+        raise _Slow
+    host = d.host
+    if host:
+        if not host.isprintable():
+            raise _Slow
+        try:
+            _HOST_RULE(host, "RankIdentity.host")
+        except wire.WireError:
+            raise _Slow from None
+    identity = _RankIdentity(d.run_id, d.rank, d.local_rank, d.world_size, d.node_rank, host, d.pid, d.attempt)
+    if len(_typed_identities) >= 1_100_000:
+        _typed_identities.clear()
+    _typed_identities[d] = identity
+    return identity
+
+
+def _typed_beat(b) -> wire.Heartbeat:
+    steps: list = []
+    if b.step_rows:
+        if b.step_columns != _STEP_COLUMNS:
+            raise _Slow
+        steps = [_StepRecord(*row) for row in b.step_rows]
+    if b.steps:
+        steps = _SLOW_LISTS["steps"](b.steps, "Heartbeat.steps") + steps
+    return _Heartbeat(
+        identity=_typed_identity(b.identity),
+        sent_at=b.sent_at, seq=b.seq, step=b.step, forwards=b.forwards, phase=b.phase,
+        phase_since=b.phase_since, last_progress_at=b.last_progress_at,
+        collectives_enqueued=b.collectives_enqueued, collectives_completed=b.collectives_completed,
+        steps=steps,
+        marks=[_CollectiveMark(m.step, m.seqs) for m in b.marks] if b.marks else [],
+        events=_SLOW_LISTS["events"](b.events, "Heartbeat.events") if b.events else [],
+        fingerprints=_fingerprints(b.fingerprints) if b.fingerprints else [],
+        host_memory=b.host_memory, version=b.version, steps_skipped=b.steps_skipped,
+        busy_cpu_s=b.busy_cpu_s, io_bytes=b.io_bytes, wakeups=b.wakeups,
+    )
+
+
+def _typed_node(n) -> wire.NodeHeartbeat:
+    host, world = n.host, n.world_size
+    if not host.isprintable() or host.strip() != host:
+        raise _Slow
+    workers = []
+    for w in n.workers:
+        key = (world, w)
+        worker = _workers.get(key)
+        if worker is None:
+            if world and w.rank >= world:
+                raise _Slow
+            worker = wire.WorkerStatus(w.local_rank, w.rank, w.pid, w.alive, w.exit_code, w.exited_at)
+            if len(_workers) >= 1_100_000:
+                _workers.clear()
+            _workers[key] = worker
+        workers.append(worker)
+    return wire.NodeHeartbeat(run_id=n.run_id, host=host, node_rank=n.node_rank, world_size=world,
+                              sent_at=n.sent_at, hang_timeout=n.hang_timeout, on_hang=n.on_hang, workers=workers,
+                              finished=n.finished, launcher_pid=n.launcher_pid, version=n.version)
+
+
+def _typed_node_report(raw: bytes) -> wire.NodeReport:
+    """The typed road; raises _Slow when the report is not of the common shape."""
+    try:
+        report = _typed_report_decode(raw)
+    except _msgspec.ValidationError:
+        raise _Slow from None
+    except _typed_errors:
+        raise _Slow from None
+    node = report.node
+    return wire.NodeReport(
+        node=None if node is None else _typed_node(node),
+        heartbeats=[_typed_beat(b) for b in report.heartbeats],
+        version=report.version,
+        sent_at=report.sent_at,
+    )
+
+
 def loads_node_report(raw: bytes, limit: int) -> wire.NodeReport:
+    if len(raw) > limit:
+        raise wire.WireError(f"NodeReport: {len(raw)} bytes exceed the {limit}-byte limit")
+    if _msgspec is not None and not _near_bounds(raw):
+        try:
+            return _typed_node_report(raw)
+        except _Slow:
+            pass
     data = parse(raw, "NodeReport", limit)
     if type(data) is not dict:
         raise wire.WireError("NodeReport: expected an object")

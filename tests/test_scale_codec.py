@@ -139,6 +139,61 @@ def test_bad_heartbeats_are_refused_alike(data):
         codec.decode_heartbeat(copy.deepcopy(data))
 
 
+def _report(*beats, node=None) -> bytes:
+    return json.dumps({"version": 1, "sent_at": time.time(), "node": node, "heartbeats": list(beats)}).encode()
+
+
+@pytest.mark.parametrize("data", GOOD)
+def test_good_heartbeats_in_a_node_report_decode_alike(data):
+    """The typed road (a whole report through msgspec's typed structs) or,
+    where it refuses, the road above: wire's values either way."""
+    decoded = codec.loads_node_report(_report(data, data), 1 << 20)
+    assert all(_same(hb, _slow(data)) for hb in decoded.heartbeats)
+
+
+@pytest.mark.parametrize("data", BAD)
+def test_bad_heartbeats_in_a_node_report_are_refused(data):
+    with pytest.raises(wire.WireError):
+        codec.loads_node_report(_report(_beat(), data), 1 << 20)
+
+
+def test_recorded_node_reports_take_the_typed_road_alike():
+    """Every report a real job's relay sent decodes in one typed pass (no
+    per-value Python checks: issue 29's ingest cost) to what the generic
+    road and wire's decoder give."""
+    import gzip
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "data" / "node_reports.json.gz"
+    with gzip.open(path, "rt") as f:
+        raws = [r.encode() for r in json.load(f)["reports"]]
+    assert len(raws) > 20
+    for raw in raws:
+        typed = codec._typed_node_report(raw)  # raises codec._Slow if it took the other road
+        data = json.loads(raw)
+        assert len(typed.heartbeats) == len(data["heartbeats"])
+        for hb, beat in zip(typed.heartbeats, data["heartbeats"]):
+            assert _same(hb, _slow(beat))
+        if data.get("node") is not None:
+            assert typed.node == wire.decode(wire.NodeHeartbeat, data["node"])
+
+
+def test_node_reports_that_bend_the_rules_take_the_other_road():
+    """What the typed structs cannot say is still checked: a rank outside
+    its world, an unprintable host, a worker beyond the world size."""
+    ident = _beat()["identity"]
+    for beat in (_beat(identity={**ident, "rank": 8}), _beat(identity={**ident, "host": "a\x07b"}),
+                 _beat(identity={**ident, "host": " a"}), _beat(marks=[{"step": 1, "seqs": {"0": 1}, "x": 2}])):
+        with pytest.raises(codec._Slow):
+            codec._typed_node_report(_report(beat))
+    node = {"run_id": "job-1", "host": "node-a", "node_rank": 0, "world_size": 8, "sent_at": time.time(),
+            "workers": [{"local_rank": 0, "rank": 9, "pid": 10}]}
+    with pytest.raises(codec._Slow):
+        codec._typed_node_report(_report(node=node))
+    with pytest.raises(wire.WireError):
+        codec.loads_node_report(_report(node=node), 1 << 20)
+
+
 def test_node_report_parse_bounds_and_nan_tokens():
     report = {"version": 1, "sent_at": time.time(), "node": {
         "run_id": "job-1", "host": "node-a", "node_rank": 0, "world_size": 8, "sent_at": time.time(),
