@@ -80,6 +80,8 @@ TOKEN = "bench-token"
 RUN_ID = "bench"
 RANKS_PER_NODE = 8
 COLUMNS = json.dumps(list(wire.STEP_COLUMNS), separators=(",", ":"))
+_FP_COLUMN = wire.STEP_COLUMNS.index("batch_fp")
+_FP_SENTINEL = 9_007_199_254_000_000  # below 2**53, far from any recorded value
 
 
 # ---------------------------------------------------------------------------------------
@@ -310,8 +312,19 @@ class Recorded:
                 beat[key] = {pg: v + offset * self.seq_per_step for pg, v in beat[key].items()}
         return beat
 
-    def tail(self, local: int, since: Optional[int], step: int, job: "Job", culprit: bool, stride: int) -> bytes:
-        """A rank's merged beat for steps (since, step], after its identity."""
+    def tail(self, rank: int, since: Optional[int], step: int, job: "Job", culprit: bool, stride: int) -> bytes:
+        """A rank's merged beat for steps (since, step], after its identity:
+        its node-local rank's recording, each step's input-batch fingerprint
+        made the rank's own (replicas of one recording would otherwise feed
+        identical batches: a duplicate_data incident the job never had)."""
+        local = rank % RANKS_PER_NODE
+        text, fps = self._local_tail(local, since, step, job, culprit, stride)
+        for i, fp in enumerate(fps):
+            text = text.replace(b"%d" % (_FP_SENTINEL + i), b"%d" % ((fp * 1_000_003 + rank) % wire.MAX_COUNT), 1)
+        return text
+
+    def _local_tail(self, local: int, since: Optional[int], step: int, job: "Job", culprit: bool,
+                    stride: int) -> tuple[bytes, list[int]]:
         frozen = job.frozen_step is not None
         key = (local, since, step, culprit and frozen, frozen, stride)
         cached = self._cache.get(key)
@@ -341,8 +354,16 @@ class Recorded:
                 merged["collectives_enqueued"] = {pg: v + 1 for pg, v in
                                                   (merged.get("collectives_enqueued") or {"0": 0}).items()}
         merged["sent_at"] = time.time()
+        fps: list[int] = []  # the recorded batch fingerprints, each replaced by a sentinel `tail` rewrites
+        rows = merged.get("step_rows") or []
+        if rows and merged.get("step_columns") == list(wire.STEP_COLUMNS):
+            merged["step_rows"] = rows = [list(row) for row in rows]  # the shared beats stay as they are
+            for row in rows:
+                if isinstance(row[_FP_COLUMN], int):
+                    fps.append(row[_FP_COLUMN])
+                    row[_FP_COLUMN] = _FP_SENTINEL + len(fps) - 1
         text = json.dumps(merged, separators=(",", ":"), allow_nan=False)
-        cached = self._cache[key] = ("," + text[1:]).encode()
+        cached = self._cache[key] = (("," + text[1:]).encode(), fps)
         return cached
 
 
@@ -447,7 +468,7 @@ class Simulator:
             began = time.time()
             step = job.step_at(began)
             beats = b",".join(b'{"version":1,"identity":' + job.identity[r]
-                              + recorded.tail(r % RANKS_PER_NODE, last_step, step, job, r == job.culprit, self.stride)
+                              + recorded.tail(r, last_step, step, job, r == job.culprit, self.stride)
                               for r in ranks)
             body = b'{"version":1,"sent_at":%.3f,"node":' % began + view + b',"heartbeats":[' + beats + b"]}"
             self.bytes_sent += len(body)

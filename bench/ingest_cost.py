@@ -63,13 +63,22 @@ def main(argv=None) -> int:
     def body(node: int, since, step: int) -> bytes:
         view, ranks = bench.node_prefix(job, node)
         beats = b",".join(b'{"version":1,"identity":' + job.identity[r]
-                          + recorded.tail(r % bench.RANKS_PER_NODE, since, step, job, False, stride) for r in ranks)
+                          + recorded.tail(r, since, step, job, False, stride) for r in ranks)
         return b'{"version":1,"sent_at":%.3f,"node":' % time.time() + view + b',"heartbeats":[' + beats + b"]}"
 
-    # Every rank known (one report per node), as after a cold start.
+    # Every rank known (one report per node), as after a cold start, then one
+    # steady report per node (its analyses' per-rank state made, as in a run
+    # going for a while).
     step = 100
+    per_report = int(interval)
+    started = time.perf_counter()
     for node in range(nodes):
         routes.handle("POST", "/v1/node-report", body(node, None, step), lambda k: None)
+    first = time.perf_counter() - started
+    collector.tick(time.time())
+    for node in range(nodes):
+        routes.handle("POST", "/v1/node-report", body(node, step, step + per_report), lambda k: None)
+    step += per_report
     collector.tick(time.time())
     # The collector's own garbage-collection regime, as its loop sets it past
     # GC_MANUAL_RANKS (no automatic full collection; a full one, the survivors
@@ -105,7 +114,6 @@ def main(argv=None) -> int:
             timed(collector.metrics, "observe_heartbeat", "  of which: metrics")
 
     # Steady reports: each node reports the steps since its last one (the cadence's worth).
-    per_report = int(interval)
     bodies = []
     for i in range(args.reports):
         node = i % nodes
@@ -135,7 +143,11 @@ def main(argv=None) -> int:
           f"(Routes.handle, parts timed: {not (args.no_parts or args.profile)})")
     for label, seconds in totals.items():
         print(f"  {label:40s} {1e6 * seconds / n:8.1f} us per report ({calls[label] / n:.0f} calls)")
-    print(f"tick after them: {1000 * tick:.0f} ms")
+    sealed = per_report * (args.reports // nodes)
+    print(f"tick after them: {1000 * tick:.0f} ms (about {sealed} steps of {args.ranks} ranks to seal: "
+          f"{1000 * tick / max(1, sealed):.0f} ms a step)")
+    print(f"a node's first report (start-up facts: train config, fingerprints' names): "
+          f"{1e6 * first / nodes:.0f} us")
     collector.stop()
     return 0
 

@@ -456,6 +456,12 @@ if _msgspec is not None:
         step: _Count
         seqs: _Seqs = {}
 
+    class _TypedEvent(_msgspec.Struct, forbid_unknown_fields=True):
+        kind: _Token
+        at: _Time
+        step: Optional[Annotated[int, _Meta(ge=-1, le=_MAX_COUNT)]] = None
+        details: _msgspec.Raw = _msgspec.Raw(b"{}")  # checked by wire's decoder once per distinct text
+
     class _TypedBeat(_msgspec.Struct, forbid_unknown_fields=True):
         identity: _TypedIdentity
         sent_at: _Time
@@ -472,7 +478,7 @@ if _msgspec is not None:
         step_rows: Annotated[list[_Row], _List] = []
         marks: Annotated[list[_TypedMark], _List] = []
         steps: Annotated[list[Any], _List] = []  # older agents: wire's decoder
-        events: Annotated[list[Any], _List] = []  # rare: wire's decoder
+        events: Annotated[list[_TypedEvent], _List] = []
         fingerprints: Annotated[list[Any], _List] = []  # checked by _fingerprints
         host_memory: Annotated[dict[_Token, _Bytes], _Meta(max_length=16)] = {}
         steps_skipped: _Count = 0
@@ -533,6 +539,33 @@ def _typed_identity(d) -> wire.RankIdentity:
     return identity
 
 
+_event_details: dict[tuple[str, bytes], dict] = {}
+_decode_event = wire._decoder(wire.Event)
+
+
+def _typed_events(events) -> list[wire.Event]:
+    """Events with their details decoded by wire's own decoder once per
+    distinct (kind, details text): every rank of a job sends the same start-up
+    facts (train_config), ~130 strings each, and wire's generic checks of them
+    were most of a node's first report. Events of one text share its details
+    object, which nobody changes (the collector's redaction makes a new one)."""
+    out = []
+    for e in events:
+        key = (e.kind, bytes(e.details))
+        details = _event_details.get(key)
+        if details is None:
+            try:
+                data = _msgspec_decode(key[1])
+                details = _decode_event({"kind": e.kind, "at": e.at, "details": data}, "Heartbeat.events[]").details
+            except (wire.WireError, _msgspec.DecodeError, RecursionError, UnicodeDecodeError):
+                raise _Slow from None  # the road above names the error
+            if len(_event_details) >= 10_000:
+                _event_details.clear()
+            _event_details[key] = details
+        out.append(wire.Event(e.kind, e.at, e.step, details))
+    return out
+
+
 def _typed_beat(b) -> wire.Heartbeat:
     steps: list = []
     if b.step_rows:
@@ -548,7 +581,7 @@ def _typed_beat(b) -> wire.Heartbeat:
         collectives_enqueued=b.collectives_enqueued, collectives_completed=b.collectives_completed,
         steps=steps,
         marks=[_CollectiveMark(m.step, m.seqs) for m in b.marks] if b.marks else [],
-        events=_SLOW_LISTS["events"](b.events, "Heartbeat.events") if b.events else [],
+        events=_typed_events(b.events) if b.events else [],
         fingerprints=_fingerprints(b.fingerprints) if b.fingerprints else [],
         host_memory=b.host_memory, version=b.version, steps_skipped=b.steps_skipped,
         busy_cpu_s=b.busy_cpu_s, io_bytes=b.io_bytes, wakeups=b.wakeups,

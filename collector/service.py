@@ -817,10 +817,22 @@ class Collector:
         }
 
 
+_redacted: dict[int, tuple[Any, Any]] = {}  # id(details) -> (details, its redacted copy)
+
+
 def _redact_events(hb: wire.Heartbeat) -> None:
+    """Each event's details redacted. The decoder hands every rank's identical
+    start-up facts over as one shared object: redacted once (memo held by
+    identity, the object kept alive with it so its id is never reused)."""
     for event in hb.events:
-        if event.kind != "step_values" and event.details:
-            event.details = redact_obj(event.details)
+        details = event.details
+        if event.kind != "step_values" and details:
+            memo = _redacted.get(id(details))
+            if memo is None or memo[0] is not details:
+                if len(_redacted) >= 10_000:
+                    _redacted.clear()
+                memo = _redacted[id(details)] = (details, redact_obj(details))
+            event.details = memo[1]
 
 
 def _key(v: wire.Verdict) -> tuple[str, str]:

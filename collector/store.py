@@ -117,6 +117,21 @@ def _dumps(value: Any) -> str:
     return wire.json_text(value, compact=True)
 
 
+_dumped: dict[int, tuple[Any, str]] = {}  # id(value) -> (value, its text)
+
+
+def _dumps_shared(value: Any) -> str:
+    """_dumps, once per object: every rank's start-up facts arrive as one
+    shared details object (collector/codec.py), written once per rank. The
+    memo holds the object, so its id is not reused while it is there."""
+    memo = _dumped.get(id(value))
+    if memo is None or memo[0] is not value:
+        if len(_dumped) >= 10_000:
+            _dumped.clear()
+        memo = _dumped[id(value)] = (value, _dumps(value))
+    return memo[1]
+
+
 def _norms(fingerprint: dict[str, Any]) -> dict[str, Any]:
     norms = fingerprint.get("norms")
     if isinstance(norms, list):
@@ -404,7 +419,7 @@ class Store:
     def save_events(self, run_id: str, rank: int, events: list[wire.Event]) -> None:
         for e in events:
             self._exec("INSERT INTO events VALUES (?,?,?,?,?,?)",
-                       (run_id, rank, e.kind, e.at, e.step, _dumps(e.details)))
+                       (run_id, rank, e.kind, e.at, e.step, _dumps_shared(e.details)))
 
     def save_incident(self, run_id: str, inc: Incident) -> None:
         self._exec("INSERT OR REPLACE INTO incidents VALUES (?,?,?,?,?,?,?)",

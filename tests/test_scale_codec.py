@@ -95,6 +95,9 @@ BAD = [
     _beat(fingerprints=[{"step": 9, "names": ["w"], "norms": "x"}]),
     _beat(marks=[{"step": 10, "seqs": {"0": "x"}}]),
     _beat(marks=[{"step": True, "seqs": {}}]),
+    _beat(events=[{"kind": "exception", "at": time.time(), "details": "not an object"}]),
+    _beat(events=[{"kind": "exception", "at": time.time(), "details": {"deep": json.loads("[" * 40 + "]" * 40)}}]),
+    _beat(events=[{"kind": "bad kind!", "at": time.time(), "details": {}}]),
 ]
 
 
@@ -192,6 +195,37 @@ def test_node_reports_that_bend_the_rules_take_the_other_road():
         codec._typed_node_report(_report(node=node))
     with pytest.raises(wire.WireError):
         codec.loads_node_report(_report(node=node), 1 << 20)
+
+
+def test_identical_event_details_are_checked_once_and_redacted_for_every_rank(tmp_path):
+    """Every rank sends the same start-up facts: decoded once (one shared,
+    checked object), yet each rank's stored event is redacted and each keeps
+    its own time and step."""
+    from rankwatch.collector.service import Collector
+    from rankwatch.config import Config
+
+    secret = "hf_" + "a1B2" * 8
+    facts = {"facts": [["mode", "train"], ["note", f"pulled with {secret}"]]}
+    beats = []
+    for rank in range(4):
+        beat = _beat(identity={**_beat()["identity"], "rank": rank, "local_rank": rank},
+                     events=[{"kind": "train_config", "at": 1000.0 + rank, "step": rank, "details": facts}])
+        beats.append(beat)
+    report = codec.loads_node_report(_report(*beats), 1 << 20)
+    events = [hb.events[0] for hb in report.heartbeats]
+    assert all(e.details is events[0].details for e in events)
+    assert [(e.at, e.step) for e in events] == [(1000.0 + r, r) for r in range(4)]
+    assert _same(events[2], wire.decode(wire.Event, beats[2]["events"][0]))
+
+    collector = Collector(Config(), data_dir=tmp_path)
+    try:
+        collector.ingest_node_report(report)
+        stored = [collector.runs["job-1"].rank(r).events for r in range(4)]
+        assert all(len(s) == 1 for s in stored)
+        texts = [json.dumps(s[0].details) for s in stored]
+        assert all(secret not in t and "pulled with" in t for t in texts), texts
+    finally:
+        collector.stop()
 
 
 def test_node_report_parse_bounds_and_nan_tokens():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import datetime as _dt
+import itertools
 import os
 import re
 import statistics
@@ -229,13 +230,23 @@ def _yield() -> None:
     time.sleep(0.0005)
 
 
-def paced(items):
+def paced(items: Iterable) -> Iterable:
     """`items` (a sealed step's ranks), handing the interpreter over every
-    YIELD_RANKS of them: a 100,000-rank step takes ~0.3 s of work."""
-    for i, item in enumerate(items):
-        if i % YIELD_RANKS == YIELD_RANKS - 1:
-            _yield()
-        yield item
+    YIELD_RANKS of them: a 100,000-rank step takes ~0.3 s of work. Taken as
+    a list first (a snapshot: other threads run during the hand-overs), then
+    walked in chunks, so the per-item walk is C's (a generator resumed per
+    item cost ~10 % of a 10,000-rank tick)."""
+    items = items if type(items) is list else list(items)
+    if len(items) <= YIELD_RANKS:
+        return items
+
+    def chunks():
+        for start in range(0, len(items), YIELD_RANKS):
+            if start:
+                _yield()
+            yield items[start:start + YIELD_RANKS]
+
+    return itertools.chain.from_iterable(chunks())
 
 
 SEAL_LAG = 2  # steps: a GPU rank fills a step's loss and norm a step late
