@@ -111,6 +111,13 @@ def _dumps_steps(per_rank: dict[int, list[wire.StepRecord]]) -> str:
     return _dumps(value)
 
 
+def _dumps_finite(value: Any) -> str:
+    """_dumps of a value with no non-finite number (validated integers,
+    finite floats, text): msgspec's encoder, ~10x json's, gives the same
+    JSON text there (every rank's marks and fingerprints, every flush)."""
+    return _fast_encode(value).decode() if _fast_encode is not None else _dumps(value)
+
+
 def _dumps(value: Any) -> str:
     # Strict JSON (wire.json_text): a NaN loss is stored as "NaN" and read back
     # as a float by the wire decoder (fingerprint norms by _norms).
@@ -277,7 +284,7 @@ class Store:
             if pending.marks:
                 marks = pending.marks
                 batch_rows.append((run_id, rank, "marks", marks[0].step, marks[-1].step,
-                                   _dumps([[m.step, m.seqs] for m in marks])))
+                                   _dumps_finite([[m.step, m.seqs] for m in marks])))
             if pending.fingerprints:
                 names: list[list[str]] = []
                 prints = []
@@ -289,8 +296,11 @@ class Store:
                         item["names"] = len(names) - 1
                     prints.append(item)
                 steps_of = [fp.get("step") for fp in pending.fingerprints if isinstance(fp.get("step"), int)]
+                finite = all(type(v) is not float or math.isfinite(v) for item in prints
+                             for v in (item.get("norms") if isinstance(item.get("norms"), list) else ()))
+                value = {"names": names, "prints": prints}
                 batch_rows.append((run_id, rank, "fingerprints", min(steps_of, default=-1), max(steps_of, default=-1),
-                                   _dumps({"names": names, "prints": prints})))
+                                   _dumps_finite(value) if finite else _dumps(value)))
         for run_id, per_rank in steps_of_run.items():
             first = min(steps[0].step for steps in per_rank.values())
             last = max(steps[-1].step for steps in per_rank.values())

@@ -117,6 +117,33 @@ def test_marks_already_settled_are_not_read_again_and_a_later_mismatch_is_still_
     assert [v.ranks for v in found] == [[2]] and found[0].step == 15
 
 
+def test_mark_steps_a_late_rank_never_had_settle_once_every_rank_has_passed_them():
+    """A cold start at scale: ranks join the watch at different steps, so the
+    first ones' early marks never come from all. Such a step settles once
+    every live rank has reported steps past it (before: only 64 steps later,
+    or never while the job hangs, each pass reading every rank for it), and
+    a mismatch at a later step is still found."""
+    run = RunState("late", world_size=3)
+    for r in range(3):
+        run.rank(r)
+    for step in (5, 10):
+        for r in (0, 1):  # rank 2 was first seen after step 10
+            run.ranks[r].marks[step] = {"0": 3 * step}
+    for r in range(3):
+        run.ranks[r].step = 11  # steps done: every rank is at step index 10
+    assert collective_mismatch.detect(run, time.time(), False) == []
+    seen = run.trackers["_marks_seen"]
+    assert seen.settled == {5}  # rank 2 might still send step 10's marks: it is not past them yet
+    for r in range(3):
+        run.ranks[r].step = 13
+    assert collective_mismatch.detect(run, time.time(), False) == []
+    assert seen.settled == {5, 10}
+    for r in range(3):
+        run.ranks[r].marks[15] = {"0": 45 + (1 if r == 2 else 0)}
+    found = collective_mismatch.detect(run, time.time(), False)
+    assert [v.ranks for v in found] == [[2]] and found[0].step == 15
+
+
 def test_rare_facts_are_found_without_reading_every_rank():
     run = RunState("n", world_size=50_000)
     for r in range(50_000):
@@ -201,3 +228,26 @@ def test_a_big_jobs_hang_asks_only_its_suspects_and_is_named_before_the_evidence
     assert str(culprit) in listed and len(listed) < 400 and verdicts[0].evidence["ranks_total"] == world
     assert not run.aborted  # on_hang wait
     c.stop()
+
+
+def test_marks_and_fingerprints_reload_from_the_index_as_sent(tmp_path):
+    """Every rank's marks and fingerprints go to the index each flush through
+    the fast encoder where nothing is non-finite; a NaN norm takes the strict
+    one. Both read back as they were sent."""
+    store = Store(tmp_path / "i.sqlite")
+    run = RunState("fp", world_size=2)
+    store.save_run(run)
+    prints = {0: [{"step": 3, "names": ["w", "b\u00e9"], "norms": [1.5, 2.25]}, {"step": 4, "norms": [1.0, 3.0]}],
+              1: [{"step": 3, "names": ["w", "b\u00e9"], "norms": [float("nan"), 2.0]}]}
+    for r in range(2):
+        beat = wire.Heartbeat(identity=wire.RankIdentity(run_id="fp", rank=r, local_rank=r, world_size=2),
+                              sent_at=time.time(), marks=[wire.CollectiveMark(3, {"0": 9, "1": -1})])
+        store.save_heartbeat_data("fp", r, beat, fingerprints=[dict(fp) for fp in prints[r]])
+    store.flush()
+    loaded = store.load_run("fp")
+    assert [dict(loaded.ranks[r].marks) for r in range(2)] == [{3: {"0": 9, "1": -1}}] * 2
+    got0 = list(loaded.ranks[0].fingerprints)
+    assert [(fp["step"], fp.get("names"), fp["norms"]) for fp in got0] == [
+        (3, ["w", "b\u00e9"], [1.5, 2.25]), (4, None, [1.0, 3.0])]
+    (nan_print,) = list(loaded.ranks[1].fingerprints)
+    assert nan_print["norms"][0] != nan_print["norms"][0] and nan_print["norms"][1] == 2.0

@@ -283,6 +283,9 @@ def _were(ranks: list[int]) -> str:
 
 LISTED_RANKS = 64  # ranks listed one by one in a marks verdict
 MARKS_SETTLE_STEPS = 64  # a mark step this far behind the newest gets no more marks: judged one last time
+# ... nor one every live rank has passed: a mark for (0-based) step S comes
+# with the rank's report of S + 1 steps done; one step more for slack.
+MARKS_PASSED_STEPS = 2
 
 
 class _MarksSeen:
@@ -302,7 +305,14 @@ def _from_marks(run: RunState, now: float) -> Optional[wire.Verdict]:
     if not steps:
         return None
     newest = steps[-1]
-    expected = len(run.ranks) - sum(1 for s in run.notable_ranks() if s.exit_code is not None)
+    exited = {s.rank for s in run.notable_ranks() if s.exit_code is not None}
+    expected = len(run.ranks) - len(exited)
+    # Every live rank has reported steps past it: a rank without a mark there
+    # never sends one (it joined the watch later: a cold start at scale, where
+    # waiting for MARKS_SETTLE_STEPS newer steps kept ~64 steps open, each
+    # compared over every rank on every pass; or the job hangs, no newer step
+    # ever comes).
+    frontier = min((st.step for r, st in list(run.ranks.items()) if r not in exited), default=0)
     previous = dict(seen.previous)
     in_order = True  # settle only a prefix: `previous` must follow step order
     for step in steps:
@@ -311,7 +321,8 @@ def _from_marks(run: RunState, now: float) -> Optional[wire.Verdict]:
         if found is not None:
             return found
         previous.update(marks)
-        if in_order and (len(marks) >= expected or step < newest - MARKS_SETTLE_STEPS):
+        if in_order and (len(marks) >= expected or step < newest - MARKS_SETTLE_STEPS
+                         or step + MARKS_PASSED_STEPS <= frontier):
             seen.settled.add(step)
             seen.previous.update(marks)
         else:
