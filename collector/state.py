@@ -175,15 +175,19 @@ MARK_STEPS_KEPT = 1024  # steps with a mark on some rank, run-wide (collective_m
 
 
 class MarkSteps(collections.OrderedDict):
-    """The steps any rank has a collective mark for, newest last (bounded):
+    """The steps any rank has a collective mark for, newest last (bounded),
+    each with a count of the marks written for it (its version):
     collective_mismatch compares the ranks' marks of the steps it has not
-    settled yet, not every kept mark of every rank on every pass."""
+    settled yet, and of those only the ones that got new marks."""
 
     def add(self, step: int) -> None:
-        if step not in self:
-            self[step] = None
+        version = self.get(step)
+        if version is None:
+            self[step] = 1
             while len(self) > MARK_STEPS_KEPT:
                 self.popitem(last=False)
+        else:
+            self[step] = version + 1  # an existing key keeps its place
 
 
 class MarkLog(collections.OrderedDict):

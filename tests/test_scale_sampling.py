@@ -251,3 +251,31 @@ def test_marks_and_fingerprints_reload_from_the_index_as_sent(tmp_path):
         (3, ["w", "b\u00e9"], [1.5, 2.25]), (4, None, [1.0, 3.0])]
     (nan_print,) = list(loaded.ranks[1].fingerprints)
     assert nan_print["norms"][0] != nan_print["norms"][0] and nan_print["norms"][1] == 2.0
+
+
+def test_open_mark_steps_are_compared_again_only_when_they_get_new_marks(monkeypatch):
+    """A step that waits for a rank (shed, slow to report) is not read over
+    every rank on every pass; a mark that arrives for it later is, and a
+    mismatch it brings is found."""
+    run = RunState("open", world_size=4)
+    for r in range(4):
+        run.rank(r)
+        run.ranks[r].step = 20
+    run.ranks[3].step = 6  # rank 3 lags: step 5 stays open
+    for r in range(3):
+        run.ranks[r].marks[5] = {"0": 15}
+        run.ranks[r].marks[10] = {"0": 30}
+    compared = []
+    real = collective_mismatch._compare_marks
+    monkeypatch.setattr(collective_mismatch, "_compare_marks",
+                        lambda run_, step, *a: compared.append(step) or real(run_, step, *a))
+    assert collective_mismatch.detect(run, time.time(), False) == []
+    assert compared == [5, 10]
+    for _ in range(3):
+        assert collective_mismatch.detect(run, time.time(), False) == []
+    assert compared == [5, 10]  # nothing new: nothing read again
+    run.ranks[3].marks[10] = {"0": 31}  # rank 3's report of step 10 arrives, one collective ahead
+    found = collective_mismatch.detect(run, time.time(), False)
+    assert compared == [5, 10, 10]
+    assert [v.ranks for v in found] == [[3]] and found[0].step == 10
+    assert [v.ranks for v in collective_mismatch.detect(run, time.time(), False)] == [[3]]  # still reported

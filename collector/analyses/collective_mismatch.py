@@ -290,44 +290,68 @@ MARKS_PASSED_STEPS = 2
 
 class _MarksSeen:
     """Mark steps already compared and settled (every live rank agreed, or too
-    old to change), in step order, and each rank's marks as of the last one."""
+    old to change), in step order, and each rank's marks as of the last one;
+    and the steps compared but still open, with the marks they had then (as
+    of their version in `run.mark_steps`)."""
 
     def __init__(self) -> None:
         self.settled: set[int] = set()
         self.previous: dict[int, dict[str, int]] = {}
+        self.open: dict[int, tuple[int, dict[int, dict[str, int]]]] = {}  # step -> (version, marks)
 
 
 def _from_marks(run: RunState, now: float) -> Optional[wire.Verdict]:
     seen = run.trackers.get("_marks_seen")
     if seen is None:
         seen = run.trackers["_marks_seen"] = _MarksSeen()
-    steps = sorted(s for s in list(run.mark_steps) if s not in seen.settled)
+    versions = run.mark_steps
+    steps = sorted(s for s in list(versions) if s not in seen.settled)
     if not steps:
         return None
     newest = steps[-1]
     exited = {s.rank for s in run.notable_ranks() if s.exit_code is not None}
     expected = len(run.ranks) - len(exited)
-    # Every live rank has reported steps past it: a rank without a mark there
-    # never sends one (it joined the watch later: a cold start at scale, where
-    # waiting for MARKS_SETTLE_STEPS newer steps kept ~64 steps open, each
-    # compared over every rank on every pass; or the job hangs, no newer step
-    # ever comes).
-    frontier = min((st.step for r, st in list(run.ranks.items()) if r not in exited), default=0)
-    previous = dict(seen.previous)
+    frontier: Optional[int] = None
+    previous: Optional[dict[int, dict[str, int]]] = None  # copied only when a step is compared
+    changed = False  # a step compared this pass: every later one is compared again (its `previous` moved)
     in_order = True  # settle only a prefix: `previous` must follow step order
     for step in steps:
-        marks = {r: st.marks[step] for r, st in list(run.ranks.items()) if step in st.marks}
-        found = _compare_marks(run, step, marks, previous, now)
-        if found is not None:
-            return found
-        previous.update(marks)
-        if in_order and (len(marks) >= expected or step < newest - MARKS_SETTLE_STEPS
-                         or step + MARKS_PASSED_STEPS <= frontier):
+        version = versions.get(step)
+        kept = seen.open.get(step)
+        if kept is not None and kept[0] == version and not changed:
+            marks = kept[1]  # no new mark since it was compared (without a finding)
+        else:
+            marks = {r: st.marks[step] for r, st in list(run.ranks.items()) if step in st.marks}
+            if previous is None:
+                previous = dict(seen.previous)  # has the steps settled earlier in this pass
+                for earlier in steps[:steps.index(step)]:
+                    if earlier in seen.open:
+                        previous.update(seen.open[earlier][1])
+            found = _compare_marks(run, step, marks, previous, now)
+            if found is not None:
+                return found
+            seen.open[step] = (version, marks)
+            changed = True
+        if previous is not None:
+            previous.update(marks)
+        settles = len(marks) >= expected or step < newest - MARKS_SETTLE_STEPS
+        if in_order and not settles:
+            # Every live rank has reported steps past it: a rank without a mark
+            # there never sends one (it joined the watch later: a cold start at
+            # scale, where waiting for MARKS_SETTLE_STEPS newer steps kept ~64
+            # steps open; or the job hangs, and no newer step ever comes).
+            if frontier is None:
+                frontier = min((st.step for r, st in list(run.ranks.items()) if r not in exited), default=0)
+            settles = step + MARKS_PASSED_STEPS <= frontier
+        if in_order and settles:
             seen.settled.add(step)
             seen.previous.update(marks)
+            seen.open.pop(step, None)
         else:
             in_order = False
-    seen.settled.intersection_update(run.mark_steps)  # bounded with the run's mark steps
+    seen.settled.intersection_update(versions)  # bounded with the run's mark steps
+    for step in [s for s in seen.open if s not in versions]:
+        del seen.open[step]
     return None
 
 
