@@ -175,19 +175,13 @@ MARK_STEPS_KEPT = 1024  # steps with a mark on some rank, run-wide (collective_m
 
 
 class MarkSteps(collections.OrderedDict):
-    """The steps any rank has a collective mark for, newest last (bounded),
-    each with a count of the marks written for it (its version):
-    collective_mismatch compares the ranks' marks of the steps it has not
-    settled yet, and of those only the ones that got new marks."""
+    """The steps any rank has a collective mark for, newest last (bounded)."""
 
     def add(self, step: int) -> None:
-        version = self.get(step)
-        if version is None:
-            self[step] = 1
+        if step not in self:
+            self[step] = None
             while len(self) > MARK_STEPS_KEPT:
                 self.popitem(last=False)
-        else:
-            self[step] = version + 1  # an existing key keeps its place
 
 
 class MarkLog(collections.OrderedDict):
@@ -195,11 +189,15 @@ class MarkLog(collections.OrderedDict):
 
     limit = MARK_WINDOW
     run_steps: Optional[MarkSteps] = None
+    feed: Optional[Feed] = None
+    rank = -1
 
     def __setitem__(self, step, seqs) -> None:
         super().__setitem__(step, seqs)
         if self.run_steps is not None:
             self.run_steps.add(step)
+        if self.feed is not None:
+            self.feed.put("mark", self.rank, (step, seqs))
         while len(self) > self.limit:
             self.popitem(last=False)
 
@@ -263,6 +261,9 @@ class RankState:
             self.marks.run_steps = mark_steps
             for step in self.marks:
                 mark_steps.add(step)
+        self.marks.rank, self.marks.feed = self.rank, feed
+        for step, seqs in self.marks.items():  # marks from before (a reloaded rank)
+            feed.put("mark", self.rank, (step, seqs))
         if notable is not None:
             self.notable = self.events.notable = notable
             if not isinstance(self.evidence, EvidenceMap):

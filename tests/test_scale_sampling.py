@@ -109,8 +109,8 @@ def test_marks_already_settled_are_not_read_again_and_a_later_mismatch_is_still_
         for r in range(3):
             run.ranks[r].marks[step] = {"0": 3 * step}
     assert collective_mismatch.detect(run, time.time(), False) == []
-    seen = run.trackers["_marks_seen"]
-    assert seen.settled == {5, 10}
+    seen = run.trackers["collective_marks"]
+    assert seen.settled_upto == 10 and not seen.marks
     for r in range(3):
         run.ranks[r].marks[15] = {"0": 45 + (1 if r == 2 else 0)}
     found = collective_mismatch.detect(run, time.time(), False)
@@ -132,12 +132,12 @@ def test_mark_steps_a_late_rank_never_had_settle_once_every_rank_has_passed_them
     for r in range(3):
         run.ranks[r].step = 11  # steps done: every rank is at step index 10
     assert collective_mismatch.detect(run, time.time(), False) == []
-    seen = run.trackers["_marks_seen"]
-    assert seen.settled == {5}  # rank 2 might still send step 10's marks: it is not past them yet
+    seen = run.trackers["collective_marks"]
+    assert seen.settled_upto == 5 and list(seen.marks) == [10]  # rank 2 may still send step 10's marks
     for r in range(3):
         run.ranks[r].step = 13
     assert collective_mismatch.detect(run, time.time(), False) == []
-    assert seen.settled == {5, 10}
+    assert seen.settled_upto == 10 and not seen.marks
     for r in range(3):
         run.ranks[r].marks[15] = {"0": 45 + (1 if r == 2 else 0)}
     found = collective_mismatch.detect(run, time.time(), False)
@@ -253,15 +253,16 @@ def test_marks_and_fingerprints_reload_from_the_index_as_sent(tmp_path):
     assert nan_print["norms"][0] != nan_print["norms"][0] and nan_print["norms"][1] == 2.0
 
 
-def test_open_mark_steps_are_compared_again_only_when_they_get_new_marks(monkeypatch):
+def test_open_mark_steps_are_compared_rank_by_rank_only_when_their_ranks_disagree(monkeypatch):
     """A step that waits for a rank (shed, slow to report) is not read over
-    every rank on every pass; a mark that arrives for it later is, and a
-    mismatch it brings is found."""
+    every rank on every pass: the marks are counted as they arrive, and a
+    step is compared rank by rank only once two numbers meet in a group.
+    A mark that arrives later for an open step brings its mismatch."""
     run = RunState("open", world_size=4)
     for r in range(4):
         run.rank(r)
         run.ranks[r].step = 20
-    run.ranks[3].step = 6  # rank 3 lags: step 5 stays open
+    run.ranks[3].step = 6  # rank 3 lags: steps 5 and 10 stay open
     for r in range(3):
         run.ranks[r].marks[5] = {"0": 15}
         run.ranks[r].marks[10] = {"0": 30}
@@ -269,13 +270,13 @@ def test_open_mark_steps_are_compared_again_only_when_they_get_new_marks(monkeyp
     real = collective_mismatch._compare_marks
     monkeypatch.setattr(collective_mismatch, "_compare_marks",
                         lambda run_, step, *a: compared.append(step) or real(run_, step, *a))
-    assert collective_mismatch.detect(run, time.time(), False) == []
-    assert compared == [5, 10]
     for _ in range(3):
         assert collective_mismatch.detect(run, time.time(), False) == []
-    assert compared == [5, 10]  # nothing new: nothing read again
+    assert compared == [] and sorted(run.trackers["collective_marks"].marks) == [5, 10]
     run.ranks[3].marks[10] = {"0": 31}  # rank 3's report of step 10 arrives, one collective ahead
     found = collective_mismatch.detect(run, time.time(), False)
-    assert compared == [5, 10, 10]
+    assert compared == [10]
     assert [v.ranks for v in found] == [[3]] and found[0].step == 10
     assert [v.ranks for v in collective_mismatch.detect(run, time.time(), False)] == [[3]]  # still reported
+    run.ranks[3].marks[10] = {"0": 30}  # re-sent, corrected: the counts follow
+    assert collective_mismatch.detect(run, time.time(), False) == []

@@ -23,7 +23,7 @@ from rankwatch import wire
 
 from ..evidence import CollectiveEntry, RankEvidence, _short_site
 from ..state import RunState
-from .common import is_machinery, majority, ranks_text, verdict
+from .common import is_machinery, majority, ranks_text, register_tracker, settle, tracker, verdict
 
 
 def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
@@ -288,54 +288,88 @@ MARKS_SETTLE_STEPS = 64  # a mark step this far behind the newest gets no more m
 MARKS_PASSED_STEPS = 2
 
 
-class _MarksSeen:
-    """Mark steps already compared and settled (every live rank agreed, or too
-    old to change), in step order, and each rank's marks as of the last one;
-    and the steps compared but still open, with the marks they had then (as
-    of their version in `run.mark_steps`)."""
+class MarksTracker:
+    """The open mark steps (compared, not yet settled), built from the marks
+    as they arrive (the feed): per step each rank's marks, and per process
+    group how many ranks hold each sequence number. A step whose every group
+    has one number has no mismatch, so a pass over the open steps costs
+    O(steps x groups), not O(steps x ranks); only a step with two numbers
+    in a group is compared rank by rank. Settled steps (every live rank
+    agreed, or every live rank is past them, or too old to change) leave,
+    in step order, with each rank's marks as of the last one (`previous`)."""
 
     def __init__(self) -> None:
-        self.settled: set[int] = set()
+        self.settled_upto = -1
         self.previous: dict[int, dict[str, int]] = {}
-        self.open: dict[int, tuple[int, dict[int, dict[str, int]]]] = {}  # step -> (version, marks)
+        self.marks: dict[int, dict[int, dict[str, int]]] = {}  # open step -> rank -> {pg: seq}
+        self.counts: dict[int, dict[str, Counter]] = {}  # open step -> pg -> Counter(seq)
+
+    def on_mark(self, run: RunState, rank: int, item: tuple[int, dict[str, int]]) -> None:
+        step, seqs = item
+        if step <= self.settled_upto:
+            return  # judged already (a re-sent or late mark)
+        if step not in self.marks:
+            # Bounded without the passes (they settle steps MARKS_SETTLE_STEPS
+            # old, judged on every pass while open): a settle with no pass
+            # between (offline, or a stalled analysis thread) drops the oldest.
+            for old_step in [s for s in self.marks if s < step - 2 * MARKS_SETTLE_STEPS]:
+                self.settle(old_step)
+        marks = self.marks.setdefault(step, {})
+        counts = self.counts.setdefault(step, {})
+        old = marks.get(rank)
+        if old is not None:
+            for pg, seq in old.items():
+                counter = counts[pg]
+                counter[seq] -= 1
+                if not counter[seq]:
+                    del counter[seq]
+        marks[rank] = seqs
+        for pg, seq in seqs.items():
+            counter = counts.get(pg)
+            if counter is None:
+                counter = counts[pg] = Counter()
+            counter[seq] += 1
+
+    def agreed(self, step: int) -> bool:
+        return all(len(c) <= 1 for c in self.counts.get(step, {}).values())
+
+    def settle(self, step: int) -> None:
+        self.previous.update(self.marks.pop(step, {}))
+        self.counts.pop(step, None)
+        self.settled_upto = max(self.settled_upto, step)
+
+
+register_tracker("collective_marks", MarksTracker)
 
 
 def _from_marks(run: RunState, now: float) -> Optional[wire.Verdict]:
-    seen = run.trackers.get("_marks_seen")
-    if seen is None:
-        seen = run.trackers["_marks_seen"] = _MarksSeen()
-    versions = run.mark_steps
-    steps = sorted(s for s in list(versions) if s not in seen.settled)
+    settle(run)
+    marks_of = tracker(run, "collective_marks")
+    steps = sorted(marks_of.marks)
     if not steps:
         return None
     newest = steps[-1]
     exited = {s.rank for s in run.notable_ranks() if s.exit_code is not None}
     expected = len(run.ranks) - len(exited)
     frontier: Optional[int] = None
-    previous: Optional[dict[int, dict[str, int]]] = None  # copied only when a step is compared
-    changed = False  # a step compared this pass: every later one is compared again (its `previous` moved)
+    previous: Optional[dict[int, dict[str, int]]] = None  # built only for a step compared rank by rank
     in_order = True  # settle only a prefix: `previous` must follow step order
     for step in steps:
-        version = versions.get(step)
-        kept = seen.open.get(step)
-        if kept is not None and kept[0] == version and not changed:
-            marks = kept[1]  # no new mark since it was compared (without a finding)
-        else:
-            marks = {r: st.marks[step] for r, st in list(run.ranks.items()) if step in st.marks}
+        marks = marks_of.marks[step]
+        if not marks_of.agreed(step):
             if previous is None:
-                previous = dict(seen.previous)  # has the steps settled earlier in this pass
+                previous = dict(marks_of.previous)
                 for earlier in steps[:steps.index(step)]:
-                    if earlier in seen.open:
-                        previous.update(seen.open[earlier][1])
+                    previous.update(marks_of.marks.get(earlier, {}))
             found = _compare_marks(run, step, marks, previous, now)
             if found is not None:
                 return found
-            seen.open[step] = (version, marks)
-            changed = True
         if previous is not None:
             previous.update(marks)
+        if not in_order:
+            continue
         settles = len(marks) >= expected or step < newest - MARKS_SETTLE_STEPS
-        if in_order and not settles:
+        if not settles:
             # Every live rank has reported steps past it: a rank without a mark
             # there never sends one (it joined the watch later: a cold start at
             # scale, where waiting for MARKS_SETTLE_STEPS newer steps kept ~64
@@ -343,15 +377,10 @@ def _from_marks(run: RunState, now: float) -> Optional[wire.Verdict]:
             if frontier is None:
                 frontier = min((st.step for r, st in list(run.ranks.items()) if r not in exited), default=0)
             settles = step + MARKS_PASSED_STEPS <= frontier
-        if in_order and settles:
-            seen.settled.add(step)
-            seen.previous.update(marks)
-            seen.open.pop(step, None)
+        if settles:
+            marks_of.settle(step)
         else:
             in_order = False
-    seen.settled.intersection_update(versions)  # bounded with the run's mark steps
-    for step in [s for s in seen.open if s not in versions]:
-        del seen.open[step]
     return None
 
 

@@ -323,6 +323,7 @@ def _settle(run, final: bool) -> None:
         return  # nothing new: O(1), however many ranks (each analysis calls settle)
     on_record = [t.on_record for t in active if hasattr(t, "on_record")]
     on_event = [t.on_event for t in active if hasattr(t, "on_event")]
+    on_mark = [t.on_mark for t in active if hasattr(t, "on_mark")]
     for i, (kind, rank, item) in enumerate(items):
         if i % YIELD_EVERY == YIELD_EVERY - 1:
             _yield()
@@ -339,6 +340,9 @@ def _settle(run, final: bool) -> None:
                 hook(run, rank, item)
         elif kind == "event":
             for hook in on_event:
+                hook(run, rank, item)
+        elif kind == "mark":
+            for hook in on_mark:
                 hook(run, rank, item)
         elif kind == "fingerprint":
             step = item.get("step")
