@@ -82,6 +82,8 @@ RANKS_PER_NODE = 8
 COLUMNS = json.dumps(list(wire.STEP_COLUMNS), separators=(",", ":"))
 _FP_COLUMN = wire.STEP_COLUMNS.index("batch_fp")
 _FP_SENTINEL = 9_007_199_254_000_000  # below 2**53, far from any recorded value
+_SENT_AT = 99_999_999_999.0  # a beat's sent_at in the cached tails, set when it is sent
+_SENT_SENTINEL = b'"sent_at":%s' % json.dumps(_SENT_AT).encode()
 
 
 # ---------------------------------------------------------------------------------------
@@ -319,6 +321,9 @@ class Recorded:
         identical batches: a duplicate_data incident the job never had)."""
         local = rank % RANKS_PER_NODE
         text, fps = self._local_tail(local, since, step, job, culprit, stride)
+        # Sent now, whatever the cache: a hung job's agents go on beating (a
+        # stale time would read as a heartbeat thread gone silent).
+        text = text.replace(_SENT_SENTINEL, b'"sent_at":%.3f' % time.time(), 1)
         for i, fp in enumerate(fps):
             text = text.replace(b"%d" % (_FP_SENTINEL + i), b"%d" % ((fp * 1_000_003 + rank) % wire.MAX_COUNT), 1)
         return text
@@ -353,7 +358,7 @@ class Recorded:
             if not culprit:
                 merged["collectives_enqueued"] = {pg: v + 1 for pg, v in
                                                   (merged.get("collectives_enqueued") or {"0": 0}).items()}
-        merged["sent_at"] = time.time()
+        merged["sent_at"] = _SENT_AT
         fps: list[int] = []  # the recorded batch fingerprints, each replaced by a sentinel `tail` rewrites
         rows = merged.get("step_rows") or []
         if rows and merged.get("step_columns") == list(wire.STEP_COLUMNS):
