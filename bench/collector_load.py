@@ -454,7 +454,7 @@ class Simulator:
         exponential backoff with jitter on a failure, a 503 or a timeout
         (Retry-After as a floor), the node's data kept and merged meanwhile."""
         from rankwatch.agent.transport import backoff_delay
-        from rankwatch.node.relay import MAX_BACKOFF_S, initial_interval
+        from rankwatch.node.relay import backoff_cap, initial_interval
 
         job = self.job
         rng = random.Random(node)
@@ -511,7 +511,7 @@ class Simulator:
                 failures += 1
                 ra = heads.get("retry_after")
                 retry_after = float(ra) if ra and ra.isdigit() else None
-                wait = backoff_delay(failures, interval, max(MAX_BACKOFF_S, interval), rng)
+                wait = backoff_delay(failures, interval, backoff_cap(interval), rng)
                 if retry_after is not None:
                     wait = max(wait, retry_after * (1.0 + 0.5 * rng.random()))
             wait = max(0.0, wait - (time.time() - began))

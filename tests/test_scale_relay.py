@@ -83,9 +83,15 @@ def test_failures_back_off_exponentially_with_jitter_and_a_success_resets():
         assert relay.flush() is False
         waits.append(relay.next_wait())
     for failures, wait in enumerate(waits, start=1):
-        ceiling = min(60.0, 2.0 * 2 ** (failures - 1))
+        ceiling = min(12.0, 2.0 * 2 ** (failures - 1))
         assert 0.5 * ceiling <= wait <= ceiling, (failures, wait)
-    assert waits[-1] >= 30.0  # capped at a minute, jittered
+    assert waits[-1] >= 6.0  # capped at six cadences (12 s at this size), jittered
+    # A 100,000-rank job (10-s cadence): capped at a minute.
+    big = _relay(_Upstream(), world_size=100_000, rng=random.Random(4))
+    big.heartbeat(_beat(0, 100, 4))
+    for _ in range(8):
+        assert big.flush() is False
+    assert 30.0 <= big.next_wait() <= 60.0
     # Two relays failing together do not retry together.
     other = _relay(_Upstream(), world_size=8_000, rng=random.Random(2))
     other.heartbeat(_beat(0, 100, 4))

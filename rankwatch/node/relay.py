@@ -22,7 +22,8 @@ step (issue 29): the first cadence is the collector's rule for the job's
 world size (the launcher knows it), not 1 s; the first report leaves at a
 random offset within that interval; a failure, a timeout or a busy answer
 (429/503, whose `Retry-After` is a floor) backs off exponentially with
-jitter up to MAX_BACKOFF_S, reset by a success; and the report kept for the
+jitter up to a few cadences (`backoff_cap`: 6 cadences, at most
+MAX_BACKOFF_S), reset by a success; and the report kept for the
 collector is bounded by bytes (MAX_PENDING_BYTES): past it the oldest
 records, marks, events and fingerprints of every rank are dropped, the
 newest state is kept, and what was dropped is counted (`rows_dropped`, and
@@ -54,6 +55,14 @@ NORM_JUMP = 3.0  # a norm this many times the rank's recent median is forwarded 
 MAX_PENDING_BYTES = 2 * 1024 * 1024  # a node's kept report: 1/8 of the collector's node-report limit
 MAX_BACKOFF_S = 60.0  # the longest pause between tries (jittered): a 100k-rank job's 12,500 relays
 # return from an outage spread over up to a minute, not in one burst
+BACKOFF_CADENCES = 6  # ... and at most this many of the job's cadences: the cadence grows with the job
+# (1 s to 2,000 ranks, 10 s at 100,000), so a 10,000-rank job's 1,250 relays return within ~12 s
+# (~100 reports/s, a fifth of what one collector takes), not a minute of ranks unheard from
+
+
+def backoff_cap(interval: float) -> float:
+    """The longest pause after failures for a relay at this cadence."""
+    return max(interval, min(MAX_BACKOFF_S, BACKOFF_CADENCES * interval))
 _TRIMMED_LISTS = ("step_rows", "steps", "marks", "events", "fingerprints")
 
 
@@ -289,7 +298,7 @@ class Relay:
             return self.interval
         from rankwatch.agent.transport import backoff_delay
 
-        delay = backoff_delay(self._failures, self.interval, max(MAX_BACKOFF_S, self.interval), self._rng)
+        delay = backoff_delay(self._failures, self.interval, backoff_cap(self.interval), self._rng)
         if self._retry_after is not None:
             delay = max(delay, self._retry_after * (1.0 + 0.5 * self._rng.random()))
         return delay
