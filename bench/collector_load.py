@@ -655,6 +655,7 @@ async def run_load(url: str, job: Job, mode: str, history: int, measure: float, 
         "collector_cpu": (cpu1 - cpu0) / elapsed, "collector_rss_mib": rss, "collector_peak_rss_mib": peak,
         "generator_cpu": ((usage1.ru_utime + usage1.ru_stime) - (usage0.ru_utime + usage0.ru_stime)) / elapsed,
         "tick_s": status.get("tick_seconds"), "tick_max_s": status.get("tick_seconds_max"),
+        "tick_p50_s": status.get("tick_seconds_p50"), "tick_p99_s": status.get("tick_seconds_p99"),
         "ranks_seen": status.get("runs", {}).get(RUN_ID, {}).get("ranks_seen"),
         "verdicts_before_hang": [v["kind"] for v in status.get("runs", {}).get(RUN_ID, {}).get("verdicts", [])],
         "index_degraded": status.get("index_degraded"),
@@ -779,7 +780,8 @@ def _line(r: dict[str, Any]) -> str:
             f"({r['heartbeats_per_s']:.0f} heartbeats/s), p50 {_fmt(r['p50_ms'], '.1f')} ms, "
             f"p99 {_fmt(r['p99_ms'], '.1f')} ms, errors {r['errors']} (503 {r.get('shed', 0)}), collector CPU {r['collector_cpu']:.2f} core, "
             f"RSS {r['collector_rss_mib']:.0f} MiB (peak {r['collector_peak_rss_mib']:.0f}), "
-            f"tick {_fmt(r['tick_s'], '.3f')} s (max {_fmt(r['tick_max_s'], '.3f')}), generator CPU "
+            f"tick p50 {_fmt(r.get('tick_p50_s'), '.3f')} p99 {_fmt(r.get('tick_p99_s'), '.3f')} s "
+            f"(max {_fmt(r['tick_max_s'], '.3f')}), generator CPU "
             f"{r['generator_cpu']:.2f} core, hang verdict after {_fmt(r['hang_verdict_after_s'], '.1f')} s "
             f"(deadline {r['hang_deadline_s']:g}), ranks {r.get('hang_ranks')} (culprit {r['culprit']})"
             + (f", outage {r['outage_s']:g} s: {r['recovered_nodes']} nodes back, all after "
@@ -790,7 +792,8 @@ def _line(r: dict[str, Any]) -> str:
 
 def _table(rows: list[dict[str, Any]]) -> str:
     head = ("| ranks | mode, cadence | all seen s | offered/s | accepted/s | heartbeats/s | p50 ms | p99 ms | errors "
-            "| collector CPU | generator CPU | RSS MiB (peak) | tick s (max) | hang verdict s (deadline) | culprit named |")
+            "| collector CPU | generator CPU | RSS MiB (peak) | tick p50 / p99 s (max) | hang verdict s (deadline) "
+            "| culprit named |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         lines.append(
@@ -800,7 +803,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
             f"| {r['accepted_per_s']:,.0f} | {r['heartbeats_per_s']:,.0f} | {_fmt(r['p50_ms'], '.1f')} "
             f"| {_fmt(r['p99_ms'], '.1f')} | {r['errors']} | {r['collector_cpu']:.2f} | {r['generator_cpu']:.2f} "
             f"| {r['collector_rss_mib']:.0f} ({r['collector_peak_rss_mib']:.0f}) "
-            f"| {_fmt(r['tick_s'], '.3f')} ({_fmt(r['tick_max_s'], '.3f')}) "
+            f"| {_fmt(r.get('tick_p50_s'), '.3f')} / {_fmt(r.get('tick_p99_s'), '.3f')} ({_fmt(r['tick_max_s'], '.3f')}) "
             f"| {_fmt(r['hang_verdict_after_s'], '.1f')} ({r['hang_deadline_s']:g}) | {r['hang_named']} |")
     return "\n".join(lines)
 

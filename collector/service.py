@@ -7,6 +7,7 @@ runs embedded in the launcher (one run) or as the standalone service (many).
 
 from __future__ import annotations
 
+import collections
 import gc
 import logging
 import re
@@ -27,7 +28,7 @@ from . import analyses, report as report_mod, stuck
 from .evidence import RankEvidence, from_bundle
 from .analyses import hang
 from .analyses.common import ranks_text, settle, where
-from .state import Incident, RunState
+from .state import Incident, RunState, percentile
 from .store import Store
 
 log = logging.getLogger("rankwatch.collector")
@@ -35,6 +36,7 @@ log = logging.getLogger("rankwatch.collector")
 MAX_EVENTS = 10_000  # per rank, newest kept
 ANALYSIS_INTERVAL = 1.0
 RANKS_PER_ANALYSIS_SECOND = 20_000  # 100,000 ranks: analyses every 5 s (the hang watch still every tick)
+RECENT_TICKS = 600  # ticks whose durations /v1/status summarises
 GC_MANUAL_RANKS = 5_000  # ranks watched from which the collector runs Python's garbage collection itself
 FULL_GC_INTERVAL = 300.0
 THAWED_GC_INTERVAL = 3600.0
@@ -89,6 +91,7 @@ class Collector:
         self._reload()
         self.metrics = None  # set by metrics.CollectorMetrics when exported
         self._stop = threading.Event()
+        self._recent_ticks: collections.deque[float] = collections.deque(maxlen=RECENT_TICKS)
         self._gc_manual, self._gc_full_at, self._gc_thawed_at = False, 0.0, 0.0
         self._gc_thresholds = gc.get_threshold()
         self._thread: Optional[threading.Thread] = None
@@ -139,6 +142,7 @@ class Collector:
             # How long a tick takes (bench/collector_load.py reads it from /v1/status).
             self.tick_seconds = time.perf_counter() - started
             self.tick_seconds_max = max(getattr(self, "tick_seconds_max", 0.0), self.tick_seconds)
+            self._recent_ticks.append(self.tick_seconds)
 
     def _collect_garbage(self, now: float) -> None:
         """Python's full garbage collection scans every live object: ~2 s with
@@ -796,6 +800,7 @@ class Collector:
     def status(self) -> dict[str, Any]:
         with self._lock:  # references under the lock; the verdicts (immutable once made) converted outside it
             runs = {rid: (run, list(self._runtime(rid).verdicts)) for rid, run in self.runs.items()}
+        ticks = list(self._recent_ticks)
         return {
             "runs": {
                 rid: {
@@ -813,6 +818,10 @@ class Collector:
             "heartbeats_rejected": getattr(self, "heartbeats_rejected", 0),
             "tick_seconds": getattr(self, "tick_seconds", None),
             "tick_seconds_max": getattr(self, "tick_seconds_max", None),
+            # The last RECENT_TICKS ticks (most are cheap: the analyses' pass is
+            # every N/20,000 s on big jobs): how long the ones that work take.
+            "tick_seconds_p50": percentile(ticks, 0.5) if ticks else None,
+            "tick_seconds_p99": percentile(ticks, 0.99) if ticks else None,
             "index_degraded": self.store.degraded,
         }
 

@@ -34,6 +34,7 @@ def test_a_hang_among_simulated_ranks_is_named_by_a_real_collector(mode):
     result = bench.bench_one(48, args)
     assert result["errors"] == 0, result["error_samples"]
     assert result["accepted_per_s"] > 0 and result["ranks_seen"] == 48
+    assert 0 <= result["tick_p50_s"] <= result["tick_p99_s"] <= result["tick_max_s"]  # the ticks' spread, measured
     assert not result["generator_failures"], result["generator_failures"]
     if mode == "relay":
         assert result["messages"] == "recorded" and result["all_seen_s"] is not None
