@@ -171,31 +171,15 @@ class FingerprintLog:
         self._items = collections.deque(items, maxlen=FINGERPRINT_WINDOW)
 
 
-MARK_STEPS_KEPT = 1024  # steps with a mark on some rank, run-wide (collective_mismatch reads only new ones)
-
-
-class MarkSteps(collections.OrderedDict):
-    """The steps any rank has a collective mark for, newest last (bounded)."""
-
-    def add(self, step: int) -> None:
-        if step not in self:
-            self[step] = None
-            while len(self) > MARK_STEPS_KEPT:
-                self.popitem(last=False)
-
-
 class MarkLog(collections.OrderedDict):
     """step -> {pg: last enqueued seq}: the most recent marks (`mark_window`)."""
 
     limit = MARK_WINDOW
-    run_steps: Optional[MarkSteps] = None
-    feed: Optional[Feed] = None
+    feed: Optional[Feed] = None  # collective_mismatch's tracker takes the marks from it
     rank = -1
 
     def __setitem__(self, step, seqs) -> None:
         super().__setitem__(step, seqs)
-        if self.run_steps is not None:
-            self.run_steps.add(step)
         if self.feed is not None:
             self.feed.put("mark", self.rank, (step, seqs))
         while len(self) > self.limit:
@@ -254,13 +238,8 @@ class RankState:
     # what crash, oom and hang read instead of every rank (100,000 at scale).
     notable: Optional[set] = field(default=None, repr=False, compare=False)
 
-    def attach(self, feed: Feed, names: dict[tuple, list], world_size: int, notable: Optional[set] = None,
-               mark_steps: Optional[MarkSteps] = None) -> None:
+    def attach(self, feed: Feed, names: dict[tuple, list], world_size: int, notable: Optional[set] = None) -> None:
         self.feed = feed
-        if mark_steps is not None:
-            self.marks.run_steps = mark_steps
-            for step in self.marks:
-                mark_steps.add(step)
         self.marks.rank, self.marks.feed = self.rank, feed
         for step, seqs in self.marks.items():  # marks from before (a reloaded rank)
             feed.put("mark", self.rank, (step, seqs))
@@ -382,7 +361,6 @@ class RunState:
     names: dict[tuple, list] = field(default_factory=dict, repr=False, compare=False)  # shared name tables
     trackers: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)  # analyses' summaries
     notable: set = field(default_factory=set, repr=False, compare=False)  # see RankState.notable
-    mark_steps: MarkSteps = field(default_factory=MarkSteps, repr=False, compare=False)
     # Held while the analyses' summaries are brought up to date (analyses/common.settle),
     # which runs outside the collector's ingest lock.
     analysis_lock: Any = field(default_factory=threading.RLock, repr=False, compare=False)
@@ -391,7 +369,7 @@ class RunState:
         state = self.ranks.get(rank)
         if state is None:
             state = RankState(rank=rank)
-            state.attach(self.feed, self.names, max(self.world_size, rank + 1), self.notable, self.mark_steps)
+            state.attach(self.feed, self.names, max(self.world_size, rank + 1), self.notable)
             self.ranks[rank] = state
         return state
 

@@ -90,7 +90,7 @@ except ImportError:  # pragma: no cover
 
 def _dumps_seqs(seqs: dict[str, int]) -> str:
     """{process group: sequence number} (validated ints on ingest)."""
-    return _fast_encode(seqs).decode() if _fast_encode is not None else _dumps(seqs)
+    return _dumps_finite(seqs)
 
 
 def _dumps_steps(per_rank: dict[int, list[wire.StepRecord]]) -> str:
