@@ -44,7 +44,7 @@ def attach() -> Optional[Agent]:
         agent.watch_exit()  # no bootstrap around the script: see its end ourselves
         return agent
     except Exception as exc:
-        from .safety import log
+        from .core.safety import log
 
         log(f"agent not attached: {type(exc).__name__}: {exc}")
         return None
@@ -56,7 +56,7 @@ def _set_flight_recorder_environment(run_dir: Optional[str]) -> None:
     these when the process group is created, after this call."""
     import os
 
-    from .collectives import FR_DIR, fr_environment
+    from .watch.collectives import FR_DIR, fr_environment
 
     os.environ.update(fr_environment(run_dir))
     if run_dir:

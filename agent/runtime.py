@@ -27,14 +27,14 @@ from rankwatch import config as config_mod
 from rankwatch import wire
 from rankwatch.redact import redact_obj
 
-from . import bundle as bundle_mod
-from .collectives import CollectiveTracker
-from .imports import ImportWatch
-from .patching import Patches, after_call
-from .progress import Progress, _thin
-from .safety import guarded, log, log_once
-from .stacks import format_exception
-from .transport import CollectorUnreachable, Transport
+from .evidence import bundle as bundle_mod
+from .watch.collectives import CollectiveTracker
+from .core.imports import ImportWatch
+from .core.patching import Patches, after_call
+from .watch.progress import Progress, _thin
+from .core.safety import guarded, log, log_once
+from .core.stacks import format_exception
+from .core.transport import CollectorUnreachable, Transport
 
 FAULTHANDLER_SIGNAL = signal.SIGUSR2
 EVENT_LOG_SIZE = 1024  # the agent's event log is a window (bundles carry it): the newest events ...
@@ -149,11 +149,11 @@ class Agent:
         self._faulthandler_file = None
         self._fatal_file = None
         self.ddp_modules: list[Any] = []
-        self.imports = ImportWatch()  # patches that wait for the job's own import (agent/imports.py)
+        self.imports = ImportWatch()  # patches that wait for the job's own import (agent/core/imports.py)
         self._roots_attached: set[int] = set()  # ids of models without DDP given the device-facing parts
         self.extensions: list[Any] = []  # parts that answer collector commands
         self.memory = None
-        self.models = None  # agent/models.py: what this rank trains (silent-error checks, GPU checks)
+        self.models = None  # agent/watch/models.py: what this rank trains (silent-error checks, GPU checks)
         self.loaders = None
         self.train_config = None
         self.patches = Patches()
@@ -181,8 +181,8 @@ class Agent:
 
     @guarded("agent.parts")
     def _install_parts(self) -> None:
-        from .memory import MemoryTracker
-        from .profiler import StepProfiler
+        from .checks.memory import MemoryTracker
+        from .evidence.profiler import StepProfiler
 
         self.memory = MemoryTracker(config=self.config, emit=self.record_event, progress=self.progress,
                                     run_dir=self.run_dir, rank=self.identity.rank)
@@ -190,7 +190,7 @@ class Agent:
 
     @guarded("agent.join")
     def _install_join(self) -> None:
-        from . import join
+        from .watch import join
 
         join.install(self.patches, self.progress, self.record_event)
 
@@ -200,7 +200,8 @@ class Agent:
         (models), how (train_config), on what data (batch_fingerprints, loaders),
         whether the step updates it (update_checks), replicas without DDP
         (fingerprints through the optimizers)."""
-        from . import batch_fingerprints, fingerprints, loaders, models, train_config, update_checks
+        from .checks import batch_fingerprints, fingerprints, train_config, update_checks
+        from .watch import loaders, models
 
         emit, progress, patches = self.record_event, self.progress, self.patches
         self.models = models.attach(config=self.config, progress=progress, patches=patches,
@@ -305,7 +306,7 @@ class Agent:
         # args[0] is the DistributedDataParallel being built
         self.patches.apply(DistributedDataParallel, "__init__",
                            after_call(lambda _, ddp, *a, **k: self.on_ddp_created(ddp)))
-        from . import fsdp
+        from .watch import fsdp
 
         fsdp.install(patches=self.patches, imports=self.imports, on_sharded=self.on_model_sharded)
         self._wrap_dataloader_epochs()
@@ -409,7 +410,7 @@ class Agent:
             except Exception:
                 pass
         self._hook_handles.clear()
-        from . import grad_checks
+        from .checks import grad_checks
 
         grad_checks.unpatch()
         if self._thread is not None and self._thread is not threading.current_thread():
@@ -424,7 +425,7 @@ class Agent:
         if self.models is not None:
             self.models.on_ddp(ddp)
         self.progress.set_phase("setup")
-        from . import fingerprints, grad_checks, gradient_flow
+        from .checks import fingerprints, grad_checks, gradient_flow
 
         if self.memory is not None:
             self.memory.on_model(ddp)
@@ -441,7 +442,7 @@ class Agent:
 
     @guarded("agent.sharded")
     def on_model_sharded(self, module) -> None:
-        """FSDP2's ``fully_shard`` returned (agent/fsdp.py): its model is a
+        """FSDP2's ``fully_shard`` returned (agent/watch/fsdp.py): its model is a
         root from now on, so step 0's forward is timed, and its device's
         memory and OOMs are watched before the first optimizer step."""
         if self.models is not None:
@@ -459,7 +460,7 @@ class Agent:
         parts DDP's patch gives a DDP model: device memory statistics and the
         OOM observer (any model), step timing from its forwards (device time
         for ``compute_s``, through the root's forward pre-hook in
-        agent/models.py) and local gradient checks when its parameters are
+        agent/watch/models.py) and local gradient checks when its parameters are
         whole tensors. Sharded parameters (DTensor, FSDP1's flat parameter,
         DeepSpeed's empty partitioned ones) get no gradient checks: their
         gradients reach their hooks already reduced, and a norm of a DTensor
@@ -468,8 +469,8 @@ class Agent:
         ``fully_shard`` returns (on_model_sharded), so its step 0 is
         watched. The device side was never run
         on a GPU: tests run it through the adapter's GPU-like double."""
-        from . import grad_checks
-        from .fingerprints import _plain
+        from .checks import grad_checks
+        from .checks.fingerprints import _plain
 
         if self.models is None:
             return
@@ -520,7 +521,7 @@ class Agent:
     # -- bundles -------------------------------------------------------------------
     def build_bundle(self, reason: str, incident: str, exception: Optional[dict] = None,
                      extra_members: Optional[dict[str, Any]] = None) -> bytes:
-        """This rank's bundle now (agent/bundle.py), from the parts it reads."""
+        """This rank's bundle now (agent/evidence/bundle.py), from the parts it reads."""
         return bundle_mod.build(reason, incident, exception, extra_members, identity=self.identity,
                                 progress=self.progress, collectives=self.collectives,
                                 recent_events=self.recent_events, memory=self.memory, run_dir=self.run_dir)
@@ -731,17 +732,17 @@ class Agent:
         return _Beat(body, steps, marks, events, fingerprints, enqueued, completed, host_memory, full)
 
     # A rank this long without progress reports what its process does
-    # (agent/activity.py): the collector tells work from a stuck rank by it.
+    # (agent/core/activity.py): the collector tells work from a stuck rank by it.
     QUIET_BEFORE_ACTIVITY_S = 2.0
 
     @guarded("agent.activity", default=None)
     def _activity(self) -> Optional[tuple[float, int, int]]:
-        from . import activity
+        from .core import activity
 
         return activity.sample()
 
     def _host_memory(self) -> dict[str, int]:
-        from .memory import host_memory, rss_bytes
+        from .checks.memory import host_memory, rss_bytes
 
         out = host_memory()
         rss = rss_bytes()

@@ -453,7 +453,7 @@ class Simulator:
         a random offset within it, the collector's cadence once it answers,
         exponential backoff with jitter on a failure, a 503 or a timeout
         (Retry-After as a floor), the node's data kept and merged meanwhile."""
-        from rankwatch.agent.transport import backoff_delay
+        from rankwatch.agent.core.transport import backoff_delay
         from rankwatch.node.relay import backoff_cap, initial_interval
 
         job = self.job
@@ -607,7 +607,7 @@ async def run_load(url: str, job: Job, mode: str, history: int, measure: float, 
     if start == "cold" and mode == "relay":
         # Every relay starts within one second (a job's launchers start together).
         recorded = recorded or Recorded()
-        import rankwatch.agent.transport  # noqa: F401  (imported before the clock starts: it imports torch)
+        import rankwatch.agent.core.transport  # noqa: F401  (imported before the clock starts: it imports torch)
         import rankwatch.node.relay  # noqa: F401
 
         rng = random.Random(job.ranks)

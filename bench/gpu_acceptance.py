@@ -10,7 +10,7 @@ that machine has one GPU: ``--nproc 1 --dtypes bfloat16 --plain healthy``):
 the DDP healthy job got no verdict, no sync more than plain torchrun and one
 process on the GPU; a NaN gradient was named (nonfinite, rank 0, step 10);
 a rank asleep was named as hung 5 s after its last step but not ended in
-the following 60 s (agent/activity.py: a native CUDA thread's wake-ups kept
+the following 60 s (agent/core/activity.py: a native CUDA thread's wake-ups kept
 it from looking idle; fixed, not yet rerun on a GPU), and this script
 itself stalled on the survivors of that killed case (fixed: see run()).
 The two-rank matrix (straggler, mismatch, FSDP2 across GPUs) has never run

@@ -187,7 +187,7 @@ def design_run(design: str, steps: int, model_fn=make_model) -> dict:
         if design in ("python_hook", "comm_hook+norms"):
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-            from rankwatch.agent.grad_checks import fp32_norms
+            from rankwatch.agent.checks.grad_checks import fp32_norms
 
             def hook(state, bucket, norms=design == "comm_hook+norms"):
                 if norms:
@@ -294,7 +294,7 @@ def fingerprint_cost(steps: int) -> dict:
     agent = make_agent()
     agent.config.fingerprint_every = 1
     try:
-        from rankwatch.agent.fingerprints import Fingerprinter
+        from rankwatch.agent.checks.fingerprints import Fingerprinter
 
         model = make_model()
         model.insert(1, torch.nn.BatchNorm1d(WIDTH))

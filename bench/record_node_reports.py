@@ -3,7 +3,7 @@
     flock /tmp/rankwatch-heavy.lock python bench/record_node_reports.py    # ~1.5 min on 2 cores
 
 Runs a real `rankwatch run --collector URL --nproc-per-node 8` job (DDP on
-gloo, every check on, the GPU code paths through agent/device.py's
+gloo, every check on, the GPU code paths through agent/core/device.py's
 `GpuLikeDouble`, one optimizer step a second) against a real collector
 (stdlib server, in this process), and saves every `POST /v1/node-report`
 body the node's relay sent, as it sent them, to
@@ -31,7 +31,7 @@ import os, time
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-from rankwatch.agent import device as rw_device
+from rankwatch.agent.core import device as rw_device
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()

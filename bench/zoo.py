@@ -144,23 +144,23 @@ FIXED = [
      "with the code before the fix: 2 of 2 seeds)",
      "unchanged is evidence only where the optimizer's own expected update (from its state after the step) is at "
      "least 4 ulps of some element; below that the tensor is not judged and the report's notes say so "
-     "(agent/update_checks.py)",
+     "(agent/checks/update_checks.py)",
      "tests/test_silent_agent.py::test_an_update_below_the_parameters_resolution_is_no_broken_update, "
      "::test_an_unjudged_update_is_said_in_the_notes"),
     ("`memory_growth` on the ranks asked for a profile after a straggler verdict (issue 23: FSDP2, 4 ranks; "
      "faultbench fsdp2 straggler seed 1 before the fix)",
      "the RSS a requested profile takes (torch's profiler, reading it: ~30 MiB glibc keeps) is rankwatch's: not "
-     "reported while it runs, subtracted after (agent/memory.py, agent/profiler.py)",
+     "reported while it runs, subtracted after (agent/checks/memory.py, agent/evidence/profiler.py)",
      "tests/test_memory_straggler.py::test_memory_a_requested_profile_takes_is_not_the_jobs"),
     ("`weight_divergence` (unreduced gradients via `.module`) when DDP is built again around the same module after "
      "unfreezing (zoo: freeze_unfreeze)",
-     "each DDP wrapper of a watched module gets its own forward hooks (agent/models.py)",
+     "each DDP wrapper of a watched module gets its own forward hooks (agent/watch/models.py)",
      "tests/test_silent_agent.py::test_ddp_built_again_around_the_same_module_is_still_ddp"),
     ("`collective_mismatch [0]`, then `weight_divergence [1]`, on uneven inputs under DDP's `Join` (zoo: "
      "join_uneven, both seeds)",
      "a rank that ran out of inputs shadows its peers' collectives, one iteration per step they take: each "
      "shadowed synchronizing iteration now counts as a step of that rank, so step N is the same iteration on every "
-     "rank (agent/join.py). Its optimizer skipped those steps, so with Adam its state and then its weights differ "
+     "rank (agent/watch/join.py). Its optimizer skipped those steps, so with Adam its state and then its weights differ "
      "from its peers' by design (Join re-syncs the weights, not the optimizer): weight_divergence no longer "
      "compares that rank, and the report's notes say so",
      "tests/test_silent_agent.py::test_an_iteration_shadowed_in_a_join_is_a_step_of_this_rank, "

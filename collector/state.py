@@ -224,7 +224,7 @@ class RankState:
     fingerprints: FingerprintLog = field(default_factory=FingerprintLog)
     host_memory: dict[str, int] = field(default_factory=dict)  # last heartbeat's
     # (collector time, CPU s, file bytes, context switches) of the rank's process while it made
-    # no progress (agent/activity.py); None until it first stalled.
+    # no progress (agent/core/activity.py); None until it first stalled.
     activity: Optional[collections.deque] = None
     exit_code: Optional[int] = None  # negative: signal (a property below: setting one notes the rank)
     exited_at: Optional[float] = None

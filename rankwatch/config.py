@@ -63,7 +63,7 @@ class Config:
     # Parameter fingerprints every N optimizer steps (0: off).
     fingerprint_every: int = 10
     # Silent-error checks in the agent: training configuration facts, input
-    # batch fingerprints, update checks (agent/train_config.py, ...).
+    # batch fingerprints, update checks (agent/checks/train_config.py, ...).
     silent_checks: bool = True
     # Collective sequence marks every N optimizer steps (detects an extra collective).
     collective_mark_every: int = 5

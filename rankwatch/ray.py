@@ -524,7 +524,7 @@ def _attach_in_worker(attempt: int) -> None:
         # Same name as Ray's own target: Ray names the thread and logs after it.
         @functools.wraps(target)
         def train_fn_watched_by_rankwatch():
-            from rankwatch.agent import stacks
+            from rankwatch.agent.core import stacks
 
             # The loop runs here, not in the process's main thread: the stacks
             # the analyses read as "main" are this thread's.

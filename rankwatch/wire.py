@@ -89,7 +89,7 @@ class StepRecord:
     device_allocated_bytes: Optional[int] = None
     device_reserved_bytes: Optional[int] = None
     device_peak_bytes: Optional[int] = None
-    # Silent-error digests (agent/batch_fingerprints.py, agent/train_config.py):
+    # Silent-error digests (agent/checks/batch_fingerprints.py, agent/checks/train_config.py):
     # a 52-bit hash of a few sampled elements of the step's input batches, a
     # 52-bit hash of every optimizer's per-group hyper-parameters, and the
     # lead optimizer's first learning rate. Never the data itself.

@@ -1,11 +1,11 @@
-"""agent/activity.py against a /proc laid out as Linux lays it out: what a
+"""agent/core/activity.py against a /proc laid out as Linux lays it out: what a
 stalled rank's process counts as its own work."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from rankwatch.agent import activity
+from rankwatch.agent.core import activity
 
 
 def _thread(root: Path, pid: int, tid: int, name: str, cpu_ns: int, io: int, switches: int) -> None:

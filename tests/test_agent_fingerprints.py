@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from rankwatch import config as config_mod
 from rankwatch import wire
-from rankwatch.agent.fingerprints import Fingerprinter
+from rankwatch.agent.checks.fingerprints import Fingerprinter
 from rankwatch.agent.runtime import Agent
 
 

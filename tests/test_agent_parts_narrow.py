@@ -15,12 +15,15 @@ import torch
 
 import rankwatch.agent
 from rankwatch import config as config_mod
-from rankwatch.agent import gradient_flow, loaders, safety, update_checks
-from rankwatch.agent.device import DeferredReads
-from rankwatch.agent.models import Forward, Root
+from rankwatch.agent.checks import gradient_flow, update_checks
+from rankwatch.agent.watch import loaders
+from rankwatch.agent.core import safety
+from rankwatch.agent.core.device import DeferredReads
+from rankwatch.agent.watch.models import Forward, Root
 
 AGENT = Path(rankwatch.agent.__file__).parent
-TOP = {"runtime.py", "bootstrap.py", "__init__.py"}  # the composition and its entry points: may know the Agent
+# The rooms, bottom to top: a module imports its own room or a room below, never above.
+ROOMS = ("core", "watch", "checks", "evidence")
 
 
 class FakeEmit:
@@ -100,8 +103,8 @@ def test_a_loader_tracker_patches_through_the_registry_it_is_given():
 
 
 def test_the_progress_tracker_has_all_the_parts_use_of_it():
-    from rankwatch.agent import ports
-    from rankwatch.agent.progress import Progress
+    from rankwatch.agent.core import ports
+    from rankwatch.agent.watch.progress import Progress
 
     members = [n for n in vars(ports.StepProgress) if not n.startswith("_")] + list(ports.StepProgress.__annotations__)
     progress = Progress()
@@ -118,8 +121,10 @@ def _annotation_names(node: Optional[ast.expr]) -> set[str]:
 
 
 def test_no_part_imports_the_runtime_or_receives_the_agent():
-    parts = sorted(p for p in AGENT.glob("*.py") if p.name not in TOP)
-    assert len(parts) > 10
+    # The parts live in the rooms; runtime.py, bootstrap.py and __init__.py on top
+    # compose them and may know the Agent.
+    parts = sorted(p for room in ROOMS for p in (AGENT / room).glob("*.py"))
+    assert len(parts) > 20
     offences = []
     for path in parts:
         tree = ast.parse(path.read_text(), filename=str(path))
@@ -138,3 +143,97 @@ def test_no_part_imports_the_runtime_or_receives_the_agent():
                     if "Agent" in _annotation_names(arg.annotation) or arg.arg == "agent":
                         offences.append(f"{path.name}:{node.lineno} {node.name}() takes the Agent ({arg.arg})")
     assert not offences, "\n".join(offences)
+
+
+def _imports(package_dir: Path, package: str) -> dict[str, set[str]]:
+    """Module -> the modules of the same package it imports (anywhere in the
+    file: a function-level import is an arrow too)."""
+    modules = {}
+    for path in package_dir.rglob("*.py"):
+        rel = path.relative_to(package_dir).with_suffix("")
+        parts = [] if rel.parts == ("__init__",) else list(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        modules[".".join([package, *parts])] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        here = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = here.split(".")[: len(here.split(".")) - node.level + 1]
+                    module = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    module = node.module or ""
+                for alias in node.names:
+                    target = f"{module}.{alias.name}"
+                    deps.add(target if target in modules else module)
+            elif isinstance(node, ast.Import):
+                deps.update(alias.name for alias in node.names)
+        graph[name] = {d for d in deps if d in modules and d != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in graph[v]:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _level(module: str) -> int:
+    """A module's floor: its room's place in ROOMS; the top (runtime,
+    bootstrap, the package itself) above them all."""
+    parts = module.split(".")
+    if len(parts) > 2 and parts[2] in ROOMS:
+        return ROOMS.index(parts[2])
+    return len(ROOMS)
+
+
+def test_agent_import_graph_has_no_circle_and_only_downward_arrows():
+    graph = _imports(AGENT, "rankwatch.agent")
+    assert {m.split(".")[2] for m in graph if m.count(".") >= 3} == set(ROOMS)
+    assert not _cycles(graph), _cycles(graph)
+    upward = [f"{a} -> {b}" for a, deps in graph.items() for b in deps if _level(b) > _level(a)]
+    assert not upward, "\n".join(upward)
+
+
+def test_collector_import_graph_has_no_circle():
+    import rankwatch.collector
+
+    graph = _imports(Path(rankwatch.collector.__file__).parent, "rankwatch.collector")
+    assert len(graph) > 20
+    assert not _cycles(graph), _cycles(graph)
+
+
+def test_the_graph_reader_sees_a_circle():
+    """The two tests above can fail: a planted circle is found."""
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []

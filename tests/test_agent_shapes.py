@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from rankwatch import config as config_mod
 from rankwatch import wire
-from rankwatch.agent import safety
+from rankwatch.agent.core import safety
 from rankwatch.agent.runtime import Agent
 
 

@@ -9,8 +9,8 @@ import os
 from pathlib import Path
 
 import rankwatch
-from rankwatch.agent import collectives
-from rankwatch.agent.stacks import OWN_DIRS, is_own_file
+from rankwatch.agent.watch import collectives
+from rankwatch.agent.core.stacks import OWN_DIRS, is_own_file
 from rankwatch.collector.analyses import common
 
 

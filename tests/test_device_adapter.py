@@ -22,8 +22,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from rankwatch import config as config_mod
 from rankwatch import wire
-from rankwatch.agent import device as device_mod
-from rankwatch.agent import safety
+from rankwatch.agent.core import device as device_mod
+from rankwatch.agent.core import safety
 from rankwatch.agent.runtime import Agent
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -277,7 +277,7 @@ def test_the_event_log_is_a_window(world):
 
 
 def test_a_caught_oom_gives_no_oom_and_costs_nothing_on_the_allocating_thread(agent, gpu, monkeypatch):
-    from rankwatch.agent import bundle as bundle_mod
+    from rankwatch.agent.evidence import bundle as bundle_mod
 
     built = []
     monkeypatch.setattr(bundle_mod, "build", lambda *a, **k: built.append(a) or b"")
@@ -296,7 +296,7 @@ def test_a_caught_oom_gives_no_oom_and_costs_nothing_on_the_allocating_thread(ag
 
 
 def test_an_oom_that_ends_the_rank_is_oom_with_the_snapshot(agent, gpu, monkeypatch, tmp_path):
-    from rankwatch.agent import bundle as bundle_mod
+    from rankwatch.agent.evidence import bundle as bundle_mod
 
     gpu.snapshot = json.loads((DATA / "cuda_snapshot.json").read_text())
     delivered = []
@@ -324,7 +324,7 @@ def test_an_oom_names_the_device_total_as_such_and_summarises_the_ranks_own_devi
     (device, requested, device total, device free); the total was stored as
     `device_allocated_bytes`. And the memory summary was taken without a
     device: on a rank that never called set_device, GPU 0's."""
-    from rankwatch.agent import bundle as bundle_mod
+    from rankwatch.agent.evidence import bundle as bundle_mod
 
     gpu.snapshot = json.loads((DATA / "cuda_snapshot.json").read_text())
     gpu.total[1] = 80 << 30

@@ -74,6 +74,6 @@ def test_an_fsdp2_model_is_a_root_before_its_first_step(tmp_path, imported_befor
     assert out["state"] is True, "the wrapper hides fully_shard.state"
     assert out["sharded"].startswith("FSDP"), out
     assert out["restored"] is True, out
-    # The other patches that wait for the job's import (agent/imports.py): the
+    # The other patches that wait for the job's import (agent/core/imports.py): the
     # checkpoint phase of torch.distributed.checkpoint's saves, FSDP1's clipping.
     assert out["later"] == {"dcp_save": True, "fsdp1_clip": True}, out

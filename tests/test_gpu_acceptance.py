@@ -59,7 +59,7 @@ def test_a_sync_rankwatch_adds_is_a_miss():
     bench = _bench()
     plain = "SYNCS rank 0 0\nSYNCS rank 1 0\nSTEP_MEDIAN 0.01\n"
     assert bench.judge_syncs("SYNCS rank 0 0\nSYNCS rank 1 0\n", plain) is None
-    watched = "SYNCS rank 0 2\nSYNC_AT rank 0\n  File \"agent/update_checks.py\", line 365\nSYNCS rank 1 0\n"
+    watched = "SYNCS rank 0 2\nSYNC_AT rank 0\n  File \"agent/checks/update_checks.py\", line 365\nSYNCS rank 1 0\n"
     problem = bench.judge_syncs(watched, plain)
     assert problem is not None and "added 2" in problem and "update_checks.py" in problem
     assert bench.judge_syncs("crashed\n", plain) is not None  # no count: never a pass

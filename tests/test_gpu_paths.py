@@ -19,7 +19,7 @@ DATA = Path(__file__).resolve().parent / "data"
 
 _DOUBLE = """
 import os
-from rankwatch.agent import device as rw_device
+from rankwatch.agent.core import device as rw_device
 double = rw_device.GpuLikeDouble(device=int(os.environ["LOCAL_RANK"]), current=0, {options})
 rw_device.install(double)
 rank = dist.get_rank()

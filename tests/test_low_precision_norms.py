@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from rankwatch.agent.grad_checks import fp32_norms
+from rankwatch.agent.checks.grad_checks import fp32_norms
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -50,7 +50,7 @@ def test_without_foreach_dtype_support_the_same_numbers_come_per_tensor(monkeypa
 def test_deferred_reads_take_per_parameter_norm_vectors_with_the_scalars():
     """The CUDA branch submits each bucket's norm (a scalar) and its
     per-parameter norms (a vector) together: they come back flat, in order."""
-    from rankwatch.agent.grad_checks import _DeferredRead
+    from rankwatch.agent.checks.grad_checks import _DeferredRead
 
     got = []
     _DeferredRead().submit([torch.tensor(5.0), torch.tensor([1.0, 2.0, 3.0]), torch.tensor(float("nan"))], got.extend)

@@ -42,11 +42,11 @@ def test_a_requested_profile_is_read_on_the_training_thread(monkeypatch):
     """torch's profiler is started, stopped and read on the thread that steps
     the optimizer; only the finished summary and trace go to a thread to be
     sent (read in a thread while the job runs ops, a with_stack profile broke
-    the process: agent/profiler.py)."""
+    the process: agent/evidence/profiler.py)."""
     import threading
     from types import SimpleNamespace
 
-    from rankwatch.agent import profiler as profiler_mod
+    from rankwatch.agent.evidence import profiler as profiler_mod
 
     readers, shipped = [], []
     real_summarize = profiler_mod.summarize
@@ -82,7 +82,7 @@ def test_a_profile_still_running_when_the_rank_exits_does_not_crash_it(tmp_path)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}", RANK="0", WORLD_SIZE="1")
         import torch
         from rankwatch import config, wire
-        from rankwatch.agent.profiler import StepProfiler
+        from rankwatch.agent.evidence.profiler import StepProfiler
         from rankwatch.agent.runtime import Agent
         agent = Agent(config.Config(), wire.RankIdentity(run_id="p", rank=0, local_rank=0, world_size=1), None)
         agent.install()
@@ -165,7 +165,7 @@ def test_analyze_summarises_an_oom_bundle_without_a_gpu(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: no accelerator is lent to this project")
 def test_cuda_oom_observer_dumps_a_snapshot(tmp_path):
-    from rankwatch.agent.memory import snapshot_members
+    from rankwatch.agent.checks.memory import snapshot_members
 
     torch.cuda.memory._record_memory_history(max_entries=1000)
     x = torch.empty(1 << 20, device="cuda")
@@ -219,8 +219,8 @@ def test_memory_a_requested_profile_takes_is_not_the_jobs(tmp_path):
         import torch
         import torch.distributed as dist
         from rankwatch import config, wire
-        from rankwatch.agent.memory import rss_bytes
-        from rankwatch.agent.profiler import StepProfiler
+        from rankwatch.agent.checks.memory import rss_bytes
+        from rankwatch.agent.evidence.profiler import StepProfiler
         from rankwatch.agent.runtime import Agent
         agent = Agent(config.Config(), wire.RankIdentity(run_id="t", rank=0, local_rank=0, world_size=1), None)
         agent.install()

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from rankwatch import wire
-from rankwatch.agent.collectives import CollectiveTracker, fr_environment, timeout_dump_members
+from rankwatch.agent.watch.collectives import CollectiveTracker, fr_environment, timeout_dump_members
 from rankwatch.bundles import pack, unpack
 
 DATA = Path(__file__).resolve().parent / "data" / "nccl_flight_recorder"
@@ -77,7 +77,7 @@ def test_no_recorder_counts_python_collectives_and_their_completion(world, monke
     c10d = torch._C._distributed_c10d
     monkeypatch.delattr(c10d, "_dump_fr_trace_json", raising=False)
     monkeypatch.delattr(c10d, "_dump_nccl_trace_json", raising=False)
-    from rankwatch.agent.patching import Patches
+    from rankwatch.agent.core.patching import Patches
 
     tracker = CollectiveTracker()
     patches = Patches()
@@ -164,7 +164,7 @@ def test_an_nccl_dump_in_a_bundle_passes_the_bundle_schema():
 
 
 def test_the_names_this_torch_reads_are_set(tmp_path, monkeypatch):
-    from rankwatch.agent import collectives
+    from rankwatch.agent.watch import collectives
 
     monkeypatch.setattr(collectives, "_reads_fr_names", lambda: False)  # torch < 2.8 reads the old names
     older = fr_environment(tmp_path, {})

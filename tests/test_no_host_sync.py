@@ -19,7 +19,7 @@ test would fail.
 
 Those modes are thread-local and, under the GPU-like double, a host-to-device
 copy dispatches nothing. The tests at the end run real steps on a device
-the dispatcher sees (agent/dispatch_double.py, issue 25): every blocking
+the dispatcher sees (agent/core/dispatch_double.py, issue 25): every blocking
 transfer from any thread is counted with its line, and their meta-test adds
 an `.item()` and a `torch.tensor(..., device=d)` to the gradient hook.
 """
@@ -38,8 +38,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from rankwatch import config as config_mod
 from rankwatch import wire
-from rankwatch.agent import device as device_mod
-from rankwatch.agent import safety
+from rankwatch.agent.core import device as device_mod
+from rankwatch.agent.core import safety
 from rankwatch.agent.runtime import Agent
 
 _READ_METHODS = {"tolist", "numpy", "cpu", "item", "__bool__", "__float__", "__int__", "__index__"}
@@ -163,7 +163,7 @@ def test_the_agent_adds_no_host_read_of_device_data(world, baseline, budget):
 
 def test_the_detector_catches_an_item_on_the_hot_path(world, baseline, monkeypatch):
     """What this test is for: a `.item()` added to the gradient hook is seen."""
-    from rankwatch.agent.grad_checks import GradChecker
+    from rankwatch.agent.checks.grad_checks import GradChecker
 
     original = GradChecker._inspect
 
@@ -177,7 +177,7 @@ def test_the_detector_catches_an_item_on_the_hot_path(world, baseline, monkeypat
     assert any(what in ("aten::_local_scalar_dense", "Tensor.item") for (what, _file, _line) in added), added
 
 
-# -- on a device the dispatcher sees (agent/dispatch_double.py), every thread ---------------------
+# -- on a device the dispatcher sees (agent/core/dispatch_double.py), every thread ---------------------
 
 def _device_syncs(budget: float, *faults: str) -> dict:
     """tests/scripts/device_syncs.py in a process of its own (~8 s)."""

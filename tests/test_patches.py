@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from rankwatch import config as config_mod
 from rankwatch import wire
-from rankwatch.agent import collectives as collectives_mod
+from rankwatch.agent.watch import collectives as collectives_mod
 from rankwatch.agent.runtime import Agent
 
 
@@ -75,7 +75,7 @@ def test_uninstall_restores_everything():
 def original(agent: Agent, owner: Any, name: str) -> Callable:
     fn = agent.patches.original(owner, name)
     if fn is None:
-        from rankwatch.agent import grad_checks
+        from rankwatch.agent.checks import grad_checks
 
         fn = grad_checks._PATCHES.original(owner, name)
     assert fn is not None, f"{owner}.{name} is not patched"
@@ -96,7 +96,7 @@ def assert_same_error(patched: Callable[[], Any], unpatched: Callable[[], Any]) 
 
 
 def test_every_patch_keeps_its_signature(agent):
-    from rankwatch.agent import grad_checks
+    from rankwatch.agent.checks import grad_checks
 
     patched = agent.patches.names() + grad_checks._PATCHES.names()
     names = {name for _, name in patched}
@@ -460,7 +460,7 @@ def test_dcp_save_calls(agent, tmp_path):
 def test_grad_scaler_scale_calls(agent):
     from torch.amp import GradScaler
 
-    from rankwatch.agent import grad_checks
+    from rankwatch.agent.checks import grad_checks
 
     unpatched = grad_checks._PATCHES.original(GradScaler, "scale")
     if unpatched is None:

@@ -17,7 +17,7 @@ import pytest
 
 from rankwatch import wire
 from rankwatch.agent.runtime import Agent
-from rankwatch.agent.transport import CollectorUnreachable, Transport
+from rankwatch.agent.core.transport import CollectorUnreachable, Transport
 from rankwatch.collector import server as server_mod
 from rankwatch.collector.server import CollectorServer
 from rankwatch.collector.service import Collector

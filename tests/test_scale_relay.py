@@ -11,7 +11,7 @@ import json
 import random
 
 from rankwatch import wire
-from rankwatch.agent.transport import CollectorUnreachable, Transport
+from rankwatch.agent.core.transport import CollectorUnreachable, Transport
 from rankwatch.node.relay import Relay
 
 COLUMNS = list(wire.STEP_COLUMNS)

@@ -239,7 +239,7 @@ def test_parameters_their_optimizer_never_changes(agent):
 def device_agent(monkeypatch):
     """The agent as on a GPU (the device adapter's GPU-like test double):
     nothing is read on the host, every value comes back a few events late."""
-    from rankwatch.agent import device
+    from rankwatch.agent.core import device
 
     device.install(device.GpuLikeDouble(lag=2, latency_s=60.0))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")

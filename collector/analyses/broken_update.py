@@ -1,6 +1,6 @@
 """`broken_update`: the optimizer step does not do what training needs.
 
-From the agents' `broken_update` events (agent/update_checks.py), taken in
+From the agents' `broken_update` events (agent/checks/update_checks.py), taken in
 at the seal of their step so that every rank's finding of that step is in:
 
 - `not_in_optimizer`: parameters that get gradients but are in no optimizer

@@ -1,7 +1,7 @@
 """`config_divergence`: ranks that must train the same way do not.
 
 Each rank's agent sends its training facts when they change
-(`train_config` events, agent/train_config.py): module train/eval modes,
+(`train_config` events, agent/checks/train_config.py): module train/eval modes,
 gradient clipping, autocast, micro-batches per optimizer step, the
 GradScaler's loss scale, the trained parameters' count, shapes and dtypes,
 the batches per epoch of the loader feeding the training forwards, and the

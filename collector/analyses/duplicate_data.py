@@ -1,7 +1,7 @@
 """`duplicate_data`: ranks train on identical input batches.
 
 Two ways, both from fingerprints of a few sampled elements of each step's
-input batches (`StepRecord.batch_fp`, agent/batch_fingerprints.py):
+input batches (`StepRecord.batch_fp`, agent/checks/batch_fingerprints.py):
 
 - across ranks: at each sealed step, ranks of one data-parallel group (the
   ranks one DDP averages over; without DDP, ranks the start fingerprints

@@ -23,7 +23,7 @@ The evidence says the cause (`cause`) when it is visible:
   consequence (analyses/__init__.py).
 
 A rank that shadowed its peers in DDP's `Join` (uneven inputs: its agent's
-`join_shadowed` event, agent/join.py) skipped optimizer steps they took:
+`join_shadowed` event, agent/watch/join.py) skipped optimizer steps they took:
 Join re-syncs the weights when it ends, not the optimizer state, so with
 momentum or Adam its weights drift from theirs from then on, by design. Its
 fingerprints are not compared after that step (the others still are among

@@ -296,8 +296,8 @@ def write_termination(run_dir: Path, termination: Optional[wire.Termination]) ->
 def worker_environment(run_dir: Path) -> dict[str, str]:
     """torch settings for evidence, set only where the user has not set them
     (both the old TORCH_NCCL_* and the new TORCH_FR_* names: see
-    rankwatch.agent.collectives.fr_environment)."""
-    from rankwatch.agent.collectives import FR_DIR, fr_environment
+    rankwatch.agent.watch.collectives.fr_environment)."""
+    from rankwatch.agent.watch.collectives import FR_DIR, fr_environment
 
     out = fr_environment(run_dir)
     try:
@@ -396,7 +396,7 @@ class _RemoteCollector:
     connections, the bearer token, never a redirect (the agent's transport)."""
 
     def __init__(self, url: str, token: Optional[str]):
-        from rankwatch.agent.transport import Transport
+        from rankwatch.agent.core.transport import Transport
 
         self.url = url.rstrip("/")
         self._token = token

@@ -296,7 +296,7 @@ class Relay:
             return self.interval * self._rng.random()
         if not self._failures:
             return self.interval
-        from rankwatch.agent.transport import backoff_delay
+        from rankwatch.agent.core.transport import backoff_delay
 
         delay = backoff_delay(self._failures, self.interval, backoff_cap(self.interval), self._rng)
         if self._retry_after is not None:

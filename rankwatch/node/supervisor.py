@@ -332,7 +332,7 @@ class NodeSupervisor:
             text = redact_text(text[-200_000:])
             members["faulthandler.txt"] = text
             members["stacks.json"] = with_source(parse(text))
-        from rankwatch.agent.collectives import timeout_dump_members, timeout_dump_prefix
+        from rankwatch.agent.watch.collectives import timeout_dump_members, timeout_dump_prefix
 
         # A collective timeout: torch's watchdog wrote its Flight Recorder dump before the abort.
         members.update(timeout_dump_members(worker.rank, timeout_dump_prefix(self.run_dir)))

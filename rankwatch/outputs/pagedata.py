@@ -556,7 +556,7 @@ def timelines(run: Any, ranks: list[int], steps: list[int], expanded: list[int],
 
 def config_marks(run: Any, shown: list[int], steps: list[int]) -> list[dict[str, Any]]:
     """The shown ranks' training-fact changes (`train_config` events,
-    agent/train_config.py: train/eval mode, clipping, autocast, ...) as
+    agent/checks/train_config.py: train/eval mode, clipping, autocast, ...) as
     timeline markers: {"step", "kind": "train_config", "ranks", "changed":
     [[fact, value]], "sites": [[fact, "file:line"]]}. A rank's first facts
     are its baseline, not a change. Per rank at most MAX_CONFIG_MARKS: the

@@ -1,5 +1,5 @@
 """Count the host<->device syncs rankwatch adds to real training steps on a
-device the dispatcher sees (agent/dispatch_double.py), from every thread.
+device the dispatcher sees (agent/core/dispatch_double.py), from every thread.
 
 Run by tests/test_no_host_sync.py in a process of its own (registering the
 backend changes torch.accelerator for the whole process). The same steps
@@ -24,9 +24,9 @@ import torch.distributed as dist
 
 from rankwatch import config as config_mod
 from rankwatch import wire
-from rankwatch.agent import device as device_mod
-from rankwatch.agent import dispatch_double
-from rankwatch.agent import safety
+from rankwatch.agent.core import device as device_mod
+from rankwatch.agent.core import dispatch_double
+from rankwatch.agent.core import safety
 from rankwatch.agent.runtime import Agent
 
 STEPS = 24
@@ -59,7 +59,7 @@ def _by_site(counts: collections.Counter) -> collections.Counter:
 
 
 def _inject(faults: list[str]) -> None:
-    from rankwatch.agent.grad_checks import GradChecker
+    from rankwatch.agent.checks.grad_checks import GradChecker
 
     inspect = GradChecker._inspect
     if "item_in_grad_hook" in faults:

@@ -52,9 +52,9 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from .patching import Patches, argument, binding_error
-from .safety import guarded
-from .stacks import is_own_file
+from ..core.patching import Patches, argument, binding_error
+from ..core.safety import guarded
+from ..core.stacks import is_own_file
 
 _PY_API_COLLECTIVES = (
     "all_reduce",
@@ -241,7 +241,7 @@ class CollectiveTracker:
         self._local = threading.local()
         self.blackbox = None  # set by the agent: in-flight calls survive a fatal abort
         # Told of each finished call's window (seconds): the step's own data
-        # and compute time exclude the waits in collectives (agent/progress.py).
+        # and compute time exclude the waits in collectives (agent/watch/progress.py).
         self.on_call_done: Optional[Callable[[float, float], None]] = None
 
     # -- Flight Recorder ----------------------------------------------------------
@@ -450,7 +450,7 @@ class CollectiveTracker:
 
 def _positional_group(fn, args: tuple) -> Any:
     """The ``group`` argument given by position, if any."""
-    from .patching import _signature
+    from ..core.patching import _signature
 
     sig = _signature(fn)
     if sig is None:

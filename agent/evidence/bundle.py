@@ -16,16 +16,16 @@ from rankwatch import __version__, wire
 from rankwatch.bundles import pack
 from rankwatch.redact import redact_env, redact_obj
 
-from .safety import log_once
-from .stacks import python_stacks
-from .transport import CollectorUnreachable
+from ..core.safety import log_once
+from ..core.stacks import python_stacks
+from ..core.transport import CollectorUnreachable
 
 if TYPE_CHECKING:
-    from .collectives import CollectiveTracker
-    from .memory import MemoryTracker
-    from .ports import Emit
-    from .progress import Progress
-    from .transport import Transport
+    from ..watch.collectives import CollectiveTracker
+    from ..checks.memory import MemoryTracker
+    from ..core.ports import Emit
+    from ..watch.progress import Progress
+    from ..core.transport import Transport
 
 
 def memory_state(tracker: Optional["MemoryTracker"] = None) -> dict[str, Any]:
@@ -132,7 +132,7 @@ def build(reason: str, incident: str, exception: Optional[dict] = None, extra_me
         "exception.json": redact_obj(exception) if exception else None,
         "runtime.json": {"argv": redact_obj(list(sys.argv)), "python": sys.version, "executable": sys.executable},
     }
-    from .collectives import timeout_dump_members, timeout_dump_prefix
+    from ..watch.collectives import timeout_dump_members, timeout_dump_prefix
 
     members.update(timeout_dump_members(identity.rank, timeout_dump_prefix(run_dir)))
     for name, content in (extra_members or {}).items():

@@ -32,8 +32,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
-from .patching import Patches, after_call
-from .safety import guarded
+from ..core.patching import Patches, after_call
+from ..core.safety import guarded
 
 if TYPE_CHECKING:
     from .progress import Progress

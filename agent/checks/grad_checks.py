@@ -10,7 +10,7 @@ gradient into its bucket and starts the allreduce: the hook sees this rank's
 gradient's float32 norm (one kernel), on the others a sparse finiteness
 probe (a gather of a few elements); at the end of the backward (an autograd
 callback) the values are stacked into one vector, read on the host through
-the device adapter's deferred reads (agent/device.py) with the step's other
+the device adapter's deferred reads (agent/core/device.py) with the step's other
 device values: at the step's end on a CPU, a step or more later on a GPU,
 never with a sync. They travel in the step's record (``grad_norm``,
 ``nonfinite_grads``); a non-finite value names its parameter, and the
@@ -49,15 +49,15 @@ import torch
 from rankwatch.config import Config
 from rankwatch.wire import StepRecord
 
-from . import device as device_mod
-from .collectives import CollectiveTracker
-from .device import DeferredReads
-from .patching import Patches, argument, binding_error
-from .safety import guarded, is_disabled, log
-from .torch_state import compiling, in_backward
+from ..core import device as device_mod
+from ..watch.collectives import CollectiveTracker
+from ..core.device import DeferredReads
+from ..core.patching import Patches, argument, binding_error
+from ..core.safety import guarded, is_disabled, log
+from ..core.torch_state import compiling, in_backward
 
 if TYPE_CHECKING:
-    from .ports import Emit, StepProgress
+    from ..core.ports import Emit, StepProgress
 
 MAX_NAMED = 8
 PROBE_ELEMENTS = 512  # elements per model and step, on steps the full check is sampled out

@@ -46,15 +46,15 @@ import torch
 
 from rankwatch.wire import StepRecord
 
-from .device import DeferredReads
+from ..core.device import DeferredReads
 from .grad_checks import fp32_norms
-from . import models as models_mod
-from .models import Forward, TrainedModels
-from .patching import Patches
-from .safety import guarded
+from ..watch import models as models_mod
+from ..watch.models import Forward, TrainedModels
+from ..core.patching import Patches
+from ..core.safety import guarded
 
 if TYPE_CHECKING:
-    from .ports import Emit, StepProgress
+    from ..core.ports import Emit, StepProgress
 
 CHECK_STEPS = (0, 1, 2, 3)
 CHECK_EVERY = 64

@@ -41,16 +41,16 @@ import torch
 
 from rankwatch.wire import StepRecord
 
-from .device import DeferredReads
-from . import models as models_mod
-from .models import Forward, TrainedModels, unwrap, user_site
-from .imports import ImportWatch
-from .patching import Patches, argument
-from .safety import guarded
+from ..core.device import DeferredReads
+from ..watch import models as models_mod
+from ..watch.models import Forward, TrainedModels, unwrap, user_site
+from ..core.imports import ImportWatch
+from ..core.patching import Patches, argument
+from ..core.safety import guarded
 
 if TYPE_CHECKING:
-    from .loaders import LoaderTracker
-    from .ports import Emit, StepProgress
+    from ..watch.loaders import LoaderTracker
+    from ..core.ports import Emit, StepProgress
 
 MASK = (1 << 52) - 1  # digests stay exact in any JSON reader's double
 MAX_FACTS = 64

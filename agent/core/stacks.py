@@ -25,7 +25,7 @@ def _own_dirs() -> tuple[str, ...]:
     called "rankwatch" is not ours."""
     import rankwatch
 
-    dirs = {Path(rankwatch.__file__).resolve().parent, Path(__file__).resolve().parent}
+    dirs = {Path(rankwatch.__file__).resolve().parent, Path(__file__).resolve().parents[1]}  # agent/, above core/
     try:  # located, not imported (the collector is not needed in a rank)
         import importlib.util
 

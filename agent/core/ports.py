@@ -31,7 +31,7 @@ AddFingerprint = Callable[[dict[str, Any]], None]
 
 
 class StepProgress(Protocol):
-    """What the parts use of the progress tracker (agent/progress.py `Progress`):
+    """What the parts use of the progress tracker (agent/watch/progress.py `Progress`):
     the step count, the hooks it calls at each step end, backward and
     completed record, and its deferred device reads."""
 

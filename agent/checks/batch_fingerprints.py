@@ -1,6 +1,6 @@
 """Input batch fingerprints: which ranks train on the same data.
 
-At every grad-enabled forward of a trained root (agent/models.py), the first
+At every grad-enabled forward of a trained root (agent/watch/models.py), the first
 floating or integer tensor among its inputs (positional, then keyword, a
 few levels into tuples, lists and dicts) is sampled at fixed places: up to
 8 rows spread over its first dimension, and in each the elements at
@@ -14,11 +14,11 @@ sampled values are read with the step's other device values
 (`Progress.defer`): the step's record is held until they are in, so the
 fingerprint travels in the step row, never as an event of its own. That
 path was never run on a GPU here: the tests run it through the device
-adapter's GPU-like double (agent/device.py).
+adapter's GPU-like double (agent/core/device.py).
 
 The collector compares ranks at each step (duplicates across ranks). A
 rank that trains on the same batch step after step is judged here, where
-the DataLoader is known (agent/loaders.py): the same fingerprint on
+the DataLoader is known (agent/watch/loaders.py): the same fingerprint on
 REPEAT_STEPS consecutive steps from a loader that has more batches than
 that and did not finish an epoch in between (a small dataset seen again
 every epoch is fine) is a `batch_repeat` event.
@@ -35,13 +35,13 @@ import torch
 
 from rankwatch.wire import StepRecord
 
-from . import models as models_mod
-from .models import Forward, TrainedModels
-from .safety import guarded
+from ..watch import models as models_mod
+from ..watch.models import Forward, TrainedModels
+from ..core.safety import guarded
 
 if TYPE_CHECKING:
-    from .loaders import LoaderInfo, LoaderTracker
-    from .ports import Emit, StepProgress
+    from ..watch.loaders import LoaderInfo, LoaderTracker
+    from ..core.ports import Emit, StepProgress
 
 MASK = (1 << 52) - 1
 ROWS = 8

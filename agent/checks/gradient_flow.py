@@ -16,10 +16,10 @@ import torch
 from rankwatch.config import Config
 from rankwatch.wire import StepRecord
 
-from .safety import guarded
+from ..core.safety import guarded
 
 if TYPE_CHECKING:
-    from .ports import Emit, StepProgress
+    from ..core.ports import Emit, StepProgress
 
 WATCH_STEPS = 3
 ZERO_SAMPLES = 3
@@ -38,7 +38,7 @@ class GradientFlow:
         self.zero_counts: dict[str, int] = {}
         self.samples = 0
         self.reported_zero = False
-        self.reader = progress.reads  # deferred device reads (agent/device.py)
+        self.reader = progress.reads  # deferred device reads (agent/core/device.py)
         self.every = max(1, config.fingerprint_every or 10)
         progress.step_extras.append(self._on_step_end)
 

@@ -10,7 +10,7 @@ clock read, no device sync, no collective.
 
 Device values of a step (its loss, the gradient checks' norms, the device
 time of its forward and backward) are read through the device adapter's
-deferred reads (agent/device.py): at once on a CPU, a step or more later on
+deferred reads (agent/core/device.py): at once on a CPU, a step or more later on
 a GPU. A step's record is held back until they are in, then sent with them
 (the record's own fields, so the node's relays sample them with the record);
 at most HOLD_STEPS records or HOLD_S seconds, after which it goes without.
@@ -34,9 +34,9 @@ import torch
 
 from rankwatch.wire import CollectiveMark, StepRecord
 
-from . import device as device_mod
-from .safety import guarded
-from .torch_state import compiling, in_backward
+from ..core import device as device_mod
+from ..core.safety import guarded
+from ..core.torch_state import compiling, in_backward
 
 HOLD_STEPS = 8  # step records waiting for their device values, at most
 HOLD_S = 10.0  # ... and for at most this long (a stalled device: the record goes without)
@@ -128,7 +128,7 @@ class Progress:
         self.read_collective_seqs: Optional[Callable[[], dict[str, int]]] = None
         # Memory-mapped record the supervisor reads if the rank dies silently.
         self.blackbox = None
-        # Deferred device reads of this rank (agent/device.py), and the step
+        # Deferred device reads of this rank (agent/core/device.py), and the step
         # records waiting for theirs.
         self.reads = device_mod.DeferredReads()
         self._held: collections.deque[_Held] = collections.deque()
@@ -389,7 +389,7 @@ class Progress:
 
     def shadow_step(self) -> None:
         """An iteration this rank took part in only by shadowing its peers'
-        collectives (DDP Join, its inputs used up: agent/join.py): a step of
+        collectives (DDP Join, its inputs used up: agent/watch/join.py): a step of
         the job with no forward, so step N stays the same iteration on every
         rank. The parts' per-step work (``step_extras``: gradient, update,
         configuration and weight checks) is left out: nothing was trained,
@@ -546,7 +546,7 @@ class Progress:
             try:
                 consume(part)
             except Exception as exc:  # one consumer's failure never holds the record
-                from .safety import log_once
+                from ..core.safety import log_once
 
                 log_once(f"deferred.{getattr(consume, '__qualname__', 'consume')}",
                          f"a deferred read consumer failed: {type(exc).__name__}: {exc}")

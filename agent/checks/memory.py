@@ -1,7 +1,7 @@
 """Memory tracking every step, without a sync: host RSS from /proc, and on
 an accelerator the caching allocator's counters (host-side numbers, no
 device work), read once per step through the device adapter
-(agent/device.py) for the device the model's tensors are on.
+(agent/core/device.py) for the device the model's tensors are on.
 
 On CUDA, optionally records allocator history (bounded ``max_entries``),
 and attaches the allocator's OOM observer, which runs on the allocating
@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING, Any, Optional
 from rankwatch.config import Config
 from rankwatch.wire import StepRecord
 
-from .safety import guarded, log, log_once
+from ..core.safety import guarded, log, log_once
 
 if TYPE_CHECKING:
-    from .ports import Emit, StepProgress
+    from ..core.ports import Emit, StepProgress
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -131,7 +131,7 @@ class MemoryTracker:
 
     @guarded("memory.cuda")
     def on_model(self, model) -> None:
-        from . import device as device_mod
+        from ..core import device as device_mod
 
         params = model.parameters() if hasattr(model, "parameters") else model
         device = device_mod.model_device(params)
@@ -202,7 +202,7 @@ def snapshot_members(run_dir: Optional[str], rank: int, adapter: Any = None,
 
     from rankwatch.memory_snapshot import summarize, to_jsonable
 
-    from . import device as device_mod
+    from ..core import device as device_mod
 
     members: dict[str, Any] = {}
     if adapter is None:

@@ -27,8 +27,8 @@ from typing import Any, Optional
 
 from rankwatch.config import Config
 
-from .patching import Patches
-from .safety import guarded
+from ..core.patching import Patches
+from ..core.safety import guarded
 
 MAX_ITERATORS = 64
 

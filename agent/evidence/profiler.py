@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from rankwatch.wire import Command, StepRecord
 
-from .safety import guarded, log
+from ..core.safety import guarded, log
 
 if TYPE_CHECKING:
-    from .memory import MemoryTracker
-    from .ports import StepProgress
+    from ..checks.memory import MemoryTracker
+    from ..core.ports import StepProgress
 
 MAX_STEPS = 10
 
@@ -100,7 +100,7 @@ class StepProfiler:
                                  daemon=True).start()
 
     def _own_memory(self, which: str) -> None:
-        """The profile's host memory is rankwatch's, not the job's (agent/memory.py)."""
+        """The profile's host memory is rankwatch's, not the job's (agent/checks/memory.py)."""
         memory = self.memory
         if memory is not None:
             getattr(memory, which)()

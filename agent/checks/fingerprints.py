@@ -37,13 +37,13 @@ import torch
 from rankwatch.config import Config
 from rankwatch.wire import StepRecord
 
-from .device import DeferredReads
+from ..core.device import DeferredReads
 from .grad_checks import fp32_norms
-from .safety import guarded
-from .torch_state import compiling
+from ..core.safety import guarded
+from ..core.torch_state import compiling
 
 if TYPE_CHECKING:
-    from .ports import AddFingerprint, StepProgress
+    from ..core.ports import AddFingerprint, StepProgress
 
 MAX_TENSORS = 8192
 MAX_MULTIPLIER = 64
@@ -82,7 +82,7 @@ class Fingerprinter:
         self.buffer_names = [n for n, _ in buffers] if self.compare_buffers else []
         self.buffer_module = ddp.module
         self.names = self.param_names + self.buffer_names  # one list, shared by every fingerprint sent
-        self.reader = progress.reads  # the device adapter's deferred reads (agent/device.py)
+        self.reader = progress.reads  # the device adapter's deferred reads (agent/core/device.py)
         # Parameter norms waiting for the buffer norms of the next synchronised forward.
         self._pending: Optional[tuple[int, list[torch.Tensor]]] = None
         self._syncing = False
@@ -199,7 +199,7 @@ def _plain(tensor: torch.Tensor) -> bool:
 class OptimizerFingerprinter:
     """Replicas without a DDP wrapper (hand-written data parallelism: the
     script all-reduces the gradients itself): the parameters the optimizers
-    update, named through agent/models.py.
+    update, named through agent/watch/models.py.
 
     At the first optimizer step, before it updates anything, one fingerprint
     of the parameters *and* their gradients (``"at": "start"``, step 0): the

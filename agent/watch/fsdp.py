@@ -13,7 +13,7 @@ parameters.
 
 rankwatch never imports torch.distributed.fsdp (slow, and most jobs never
 use it): the wrapper goes in when the job's own import completes
-(agent/imports.py). The homes ``fully_shard`` is exported from (torch
+(agent/core/imports.py). The homes ``fully_shard`` is exported from (torch
 2.4-2.13): ``torch.distributed.fsdp`` and its ``_fully_shard`` (2.6+),
 ``torch.distributed._composable.fsdp`` (2.4+; from 2.6 it re-exports the
 former). NEVER RAN ON A GPU: tested on CPU (gloo), where the memory part has
@@ -25,9 +25,9 @@ from __future__ import annotations
 import types
 from typing import Any, Callable
 
-from .imports import ImportWatch
-from .patching import Patches, after_call
-from .safety import guarded
+from ..core.imports import ImportWatch
+from ..core.patching import Patches, after_call
+from ..core.safety import guarded
 
 HOMES = ("torch.distributed.fsdp._fully_shard", "torch.distributed.fsdp", "torch.distributed._composable.fsdp")
 

@@ -55,13 +55,13 @@ import torch
 
 from rankwatch.config import Config
 
-from . import device
-from .patching import Patches, after_call
-from .safety import guarded, log_once
-from .torch_state import compiling
+from ..core import device
+from ..core.patching import Patches, after_call
+from ..core.safety import guarded, log_once
+from ..core.torch_state import compiling
 
 if TYPE_CHECKING:
-    from .ports import StepProgress
+    from ..core.ports import StepProgress
 
 MAX_TRACKED = 1_000_000  # modules and parameters remembered from registration, at most
 
@@ -208,7 +208,7 @@ def _own_dirs() -> tuple[str, ...]:
 
     import rankwatch
 
-    here = os.path.dirname(os.path.realpath(__file__))
+    here = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # agent/, above this room
     return (os.path.dirname(os.path.realpath(torch.__file__)) + os.sep, here + os.sep,
             os.path.dirname(os.path.realpath(rankwatch.__file__)) + os.sep)
 
@@ -407,7 +407,7 @@ class TrainedModels:
 
     @guarded("models.sharded")
     def on_sharded(self, module) -> Any:
-        """FSDP2 sharded ``module`` (agent/fsdp.py): the topmost module built
+        """FSDP2 sharded ``module`` (agent/watch/fsdp.py): the topmost module built
         around it is a root from now on (its forwards are seen from step 0).
         Returns that module."""
         top = self._top_module(module)
