@@ -24,7 +24,8 @@ from rankwatch import config as config_mod
 from rankwatch.config import Config
 from rankwatch.outputs import report as report_output
 
-from . import analyses, report as report_mod, stuck
+from . import analyses, ingest, report as report_mod, stuck
+from .changes import Changes
 from .evidence import RankEvidence, from_bundle
 from .analyses import hang
 from .analyses.common import ranks_text, settle, where
@@ -85,8 +86,12 @@ class Collector:
         self._rt: dict[str, _RunRuntime] = {}
         self._lock = threading.RLock()
         index = (self.data_dir / "collector.sqlite") if self.data_dir else None
-        self.store = Store(index)
+        # Ingest notes what changed (changes.py); the store's writer takes it
+        # from there. The ingest path never calls the store.
+        self.changes = Changes()
+        self.store = Store(index, changes=self.changes)
         self._finished_seen: dict[str, float] = {}  # run -> when it was first seen finished
+        self._index_only: set[str] = set()  # runs the index holds that are not in memory
         self._evict_checked = 0.0
         self._reload()
         self.metrics = None  # set by metrics.CollectorMetrics when exported
@@ -194,12 +199,14 @@ class Collector:
         if not _SAFE_ID.match(run_id):
             raise RequestError(f"invalid run id {run_id!r}")
         run = self.runs.get(run_id)
-        if run is None and self.store.has_run(run_id):
-            run = self._restore(run_id)  # a run that left memory (finished) or a restart
+        if run is None and run_id in self._index_only:
+            # The one read of the index on ingest, off the steady path: a run
+            # that left memory (finished minutes ago) gets a late message.
+            run = self._restore(run_id)
         if run is None:
             run = self.runs[run_id] = RunState(run_id=run_id, world_size=world_size,
                                                hang_timeout=self.config.hang_timeout, on_hang=self.config.on_hang)
-            self.store.save_run(run)
+            self.changes.run(run)
         if world_size and world_size > run.world_size:
             run.world_size = world_size
         return run
@@ -208,6 +215,7 @@ class Collector:
     def _reload(self) -> None:
         """Restart without loss: the runs the index knows as unfinished come
         back (ranks, recent steps, incidents, verdicts already issued)."""
+        self._index_only = set(self.store.run_ids())
         for run_id in self.store.unfinished_run_ids():
             try:
                 self._restore(run_id)
@@ -221,6 +229,7 @@ class Collector:
         if run is None:
             return None
         self.runs[run_id] = run
+        self._index_only.discard(run_id)
         rt = self._runtime(run_id)
         rt.verdicts = self.store.verdicts(run_id)
         for v in rt.verdicts:
@@ -239,6 +248,7 @@ class Collector:
             seen = self._finished_seen.setdefault(run_id, now)
             if now - seen >= FINISHED_KEPT_S:
                 del self.runs[run_id]
+                self._index_only.add(run_id)
                 self._rt.pop(run_id, None)
                 self._finished_seen.pop(run_id, None)
 
@@ -252,62 +262,10 @@ class Collector:
             run = self._run(ident.run_id, ident.world_size)
             if not 0 <= ident.rank < max(run.world_size, ident.rank + 1):
                 raise RequestError(f"rank {ident.rank} outside world size {run.world_size}")
-            state = run.rank(ident.rank)
-            new_rank = state.last_heartbeat_at == 0.0
-            progressed = (
-                new_rank
-                or hb.step > state.step
-                or hb.forwards > state.forwards
-                or hb.phase != state.phase
-                or any(v > state.enqueued.get(pg, -1) for pg, v in hb.collectives_enqueued.items())
-            )
-            stale = run.observe_heartbeat(state, hb, now, progressed)  # stall clock: the agents' progress times
-            if ident.attempt > state.attempt:  # torchrun restarted the workers: a fresh rank
-                state.exit_code, state.exited_at, state.killed_by_rankwatch = None, None, False
-            state.local_rank, state.node_rank, state.host = ident.local_rank, ident.node_rank, ident.host
-            state.pid, state.world_size, state.attempt = ident.pid, ident.world_size, ident.attempt
-            state.step, state.forwards = max(state.step, hb.step), max(state.forwards, hb.forwards)
-            if not stale:  # a late, older heartbeat does not take the newer phase and sequence numbers back
-                state.phase, state.phase_since = hb.phase, hb.phase_since
-            state.last_progress_at = max(state.last_progress_at, hb.last_progress_at)
-            state.last_heartbeat_at = now
-            if not stale:
-                state.enqueued.update(hb.collectives_enqueued)
-                state.completed.update(hb.collectives_completed)
-            for record in hb.steps:
-                state.add_step(record)
-            for mark in hb.marks:
-                state.marks[mark.step] = mark.seqs
-            for event in hb.events:
-                if event.kind == "step_values":
-                    # Read a step late on a GPU (no sync): fill the step's record.
-                    record = state.steps.get(event.step)
-                    for name in ("grad_norm", "loss"):
-                        value = wire.number(event.details.get(name))  # non-finite values travel as strings
-                        if record is not None and value is not None and getattr(record, name) is None:
-                            setattr(record, name, value)
-                    fp = event.details.get("batch_fp")  # the input batch's fingerprint, read as late
-                    if (record is not None and record.batch_fp is None and type(fp) is int
-                            and 0 <= fp <= wire.MAX_COUNT):
-                        record.batch_fp = fp
-                    continue
-                state.events.append(event)
-                if event.kind == "exit" and state.exit_code is None:
-                    code = event.details.get("exit_code")
-                    if isinstance(code, int):
-                        state.exit_code, state.exited_at = code, event.at
-            if hb.host_memory:
-                state.host_memory = dict(hb.host_memory)
-            if hb.busy_cpu_s is not None and hb.io_bytes is not None:
-                state.note_activity(now, hb.busy_cpu_s, hb.io_bytes, hb.wakeups or 0)
-            fingerprints = _with_names(hb.fingerprints, state.fingerprints) if hb.fingerprints else []
-            state.fingerprints.extend(fingerprints)
-            # Queued: written off the request path.
-            self.store.save_heartbeat_data(run.run_id, ident.rank, hb, fingerprints=fingerprints)
-            self.store.save_rank(run.run_id, state)
+            effect = ingest.heartbeat(run, hb, now, self.changes)
             commands = self._runtime(run.run_id).agent_commands.pop(ident.rank, [])
-            if hb.steps or hb.events or hb.marks or hb.fingerprints:
-                self._touch(run.run_id, urgent=any(e.kind in ("exception", "nonfinite") for e in hb.events))
+            if effect.touched:
+                self._touch(run.run_id, urgent=effect.urgent)
         if self.metrics:
             self.metrics.observe_heartbeat(hb, now)
         return wire.Reply(commands=commands)
@@ -315,38 +273,19 @@ class Collector:
     def ingest_node(self, node: wire.NodeHeartbeat, now: Optional[float] = None) -> wire.Reply:
         now = now or time.time()
         with self._lock:
-            self._evict_finished(now)
             known = self.runs.get(node.run_id)
             world = max(node.world_size, known.world_size if known is not None else 0)
             if world and any(w.rank >= world for w in node.workers):  # checked before anything changes
                 raise RequestError(f"node report names a rank outside the world size {world}")
             run = self._run(node.run_id, node.world_size)
             key = f"{node.host}#{node.launcher_pid or node.node_rank}"
-            run.nodes[key] = node
-            if node.hang_timeout is not None:
-                run.hang_timeout = node.hang_timeout
-            run.on_hang = node.on_hang
             rt = self._runtime(run.run_id)
-            for worker in node.workers:
-                state = run.rank(worker.rank)
-                state.local_rank, state.node_rank = worker.local_rank, node.node_rank
-                if worker.alive:
-                    state.vouched_at = now
-                if not state.host:
-                    state.host = node.host
-                if state.pid == 0:
-                    state.pid = worker.pid
-                if not worker.alive and worker.exit_code is not None and state.exit_code is None:
-                    state.exit_code = worker.exit_code
-                    state.exited_at = worker.exited_at or now
-                    state.killed_by_rankwatch = rt.abort_sent
-                    self.store.save_rank(run.run_id, state)
+            effect = ingest.node(run, node, key, now, rt.abort_sent, self.changes)
             commands = rt.node_commands.pop(key, [])
-            if any(not w.alive for w in node.workers):
+            if effect.touched:
                 self._touch(run.run_id)
             if rt.abort_sent and run.aborted:
                 commands.append(wire.Command(kind="abort", reason=run.aborted))
-            self.store.save_run(run)
             verdicts = [announcement(run.run_id, v) for v in rt.verdicts[-MAX_ANNOUNCED:]]
         return wire.Reply(commands=commands, verdicts=verdicts)
 
@@ -421,7 +360,7 @@ class Collector:
             bundle.source_path = str(path)
             merge_bundle(run, bundle)
             self._touch(run.run_id, urgent=True)
-            self.store.save_bundle(run.run_id, bundle.manifest, str(path), len(data), now)
+            self.changes.bundle(run.run_id, bundle.manifest, str(path), len(data), now)
             self.bundles_received += 1
         return {"stored": str(path)}
 
@@ -452,6 +391,8 @@ class Collector:
         """Hang watch and analyses of every run, each isolated from the others:
         one run's failure is logged once and never stops another's watch."""
         with self._lock:
+            # Finished runs leave memory on the wall clock (a tick may be handed another time).
+            self._evict_finished(time.time())
             runs = [(run, self._runtime(run.run_id)) for run in self.runs.values()]
         for run, rt in runs:
             try:
@@ -914,25 +855,6 @@ def _expand_step_rows(hb: wire.Heartbeat) -> None:
     if hb.step_rows:
         hb.steps = wire.step_records(hb)
         hb.step_rows = []
-
-
-def _with_names(fingerprints: list[dict[str, Any]], known) -> list[dict[str, Any]]:
-    """Agents send a fingerprint's parameter names only when they change: the
-    others take the rank's last names (none known yet: the print is dropped)."""
-    last = None
-    for fp in known:
-        last = fp.get("names", last)
-    out = []
-    for fp in fingerprints:
-        names = fp.get("names")
-        if isinstance(names, (list, tuple)):
-            last = names
-        elif last is not None:
-            fp = {**fp, "names": last}
-        else:
-            continue
-        out.append(fp)
-    return out
 
 
 def merge_bundle(run: RunState, bundle: Bundle) -> None:

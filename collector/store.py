@@ -32,6 +32,7 @@ from urllib.parse import quote
 
 from rankwatch import wire
 
+from .changes import Changes
 from .state import Incident, RankState, RunState
 
 log = logging.getLogger("rankwatch.collector")
@@ -156,8 +157,12 @@ class _Pending:
 
 
 class Store:
-    def __init__(self, path: Optional[Path], readonly: bool = False, flush_interval: float = FLUSH_INTERVAL):
+    def __init__(self, path: Optional[Path], readonly: bool = False, flush_interval: float = FLUSH_INTERVAL,
+                 changes: Optional[Changes] = None):
+        """``changes``: the collector's journal (changes.py), taken and
+        written at every flush of the writer thread."""
         self.path = path
+        self.changes = changes
         self.readonly = readonly
         self.degraded: Optional[str] = None  # why the index is not being written (said once)
         self._lock = threading.RLock()  # the connection
@@ -179,6 +184,8 @@ class Store:
         self._thread: Optional[threading.Thread] = None
         self._pruned_at = time.monotonic()
         self._db = self._open(path, readonly)
+        if changes is not None:
+            self._ensure_writer()  # ingest notes changes and never calls in: the writer comes to them
 
     # -- opening -----------------------------------------------------------------
     def _open(self, path: Optional[Path], readonly: bool) -> sqlite3.Connection:
@@ -246,7 +253,24 @@ class Store:
             if stopping:
                 return
 
+    def _take_changes(self) -> None:
+        """What ingest noted since the last flush joins the queues below."""
+        if self.changes is None:
+            return
+        noted = self.changes.take()
+        if not noted:
+            return
+        for run in noted.runs.values():
+            self.save_run(run)
+        for run_id, manifest, path, size, received_at in noted.bundles:
+            self.save_bundle(run_id, manifest, path, size, received_at)
+        for run_id, rank, hb, fingerprints in noted.beats:
+            self.save_heartbeat_data(run_id, rank, hb, fingerprints=fingerprints)
+        for (run_id, _), state in noted.ranks.items():
+            self.save_rank(run_id, state)
+
     def _flush_once(self, bulk: bool = True, everything: bool = True) -> None:
+        self._take_changes()
         with self._pending_lock:
             self._started += 1
             sql, self._sql = self._sql, []

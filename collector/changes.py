@@ -1,0 +1,82 @@
+"""What ingest changed that the index must keep, recorded in memory.
+
+The ingest path (`ingest.py`, called by `service.Collector`) only updates run
+state and notes here what changed: a run's row, a rank's latest state, a
+heartbeat's records/marks/fingerprints/events, a stored bundle. It never
+touches SQLite. The store's writer thread takes everything noted so far at
+each of its flushes (`Store.flush` included) and writes it, so a request never
+waits on the index and the state logic can be tested without a database.
+
+A rank's state and a run's row are noted by reference and written as they
+are when the writer takes them (one row however many beats came between);
+heartbeat data is noted per beat, in arrival order.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from rankwatch import wire
+
+from .state import RankState, RunState
+
+MAX_BEATS = 262_144  # heartbeats noted and not yet taken (a writer stuck on a slow disk): the oldest half goes
+
+
+@dataclass
+class Noted:
+    """One batch of changes, as the writer takes it."""
+
+    runs: dict[str, RunState] = field(default_factory=dict)
+    ranks: dict[tuple[str, int], RankState] = field(default_factory=dict)
+    # (run id, rank, heartbeat, its fingerprints with names filled in)
+    beats: list[tuple[str, int, wire.Heartbeat, list[dict[str, Any]]]] = field(default_factory=list)
+    # (run id, manifest, stored path, size, received at)
+    bundles: list[tuple[str, wire.BundleManifest, str, int, float]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.runs or self.ranks or self.beats or self.bundles)
+
+
+class Changes:
+    """The journal between ingest and the store: noted under a small lock of
+    its own (ingest holds the collector's; the writer never takes that one)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._noted = Noted()
+        self.beats_dropped = 0
+
+    def run(self, run: RunState) -> None:
+        with self._lock:
+            self._noted.runs[run.run_id] = run
+
+    def rank(self, run_id: str, state: RankState) -> None:
+        with self._lock:
+            self._noted.ranks[(run_id, state.rank)] = state
+
+    def heartbeat(self, run_id: str, rank: int, hb: wire.Heartbeat, fingerprints: list[dict[str, Any]]) -> None:
+        with self._lock:
+            beats = self._noted.beats
+            beats.append((run_id, rank, hb, fingerprints))
+            if len(beats) > MAX_BEATS:
+                # Memory over completeness: the live state has them all; the
+                # index (a restart's, an offline analysis') misses these.
+                self.beats_dropped += MAX_BEATS // 2
+                del beats[: MAX_BEATS // 2]
+
+    def bundle(self, run_id: str, manifest: wire.BundleManifest, path: str, size: int, received_at: float) -> None:
+        with self._lock:
+            self._noted.bundles.append((run_id, manifest, path, size, received_at))
+
+    def take(self) -> Noted:
+        """Everything noted so far; the journal starts empty again."""
+        with self._lock:
+            noted, self._noted = self._noted, Noted()
+        return noted
+
+    def __len__(self) -> int:
+        noted = self._noted
+        return len(noted.runs) + len(noted.ranks) + len(noted.beats) + len(noted.bundles)
