@@ -237,3 +237,41 @@ def test_the_graph_reader_sees_a_circle():
     """The two tests above can fail: a planted circle is found."""
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_checks_read_the_device_through_the_ranks_one_poller():
+    """Issue 28, part 3: the update, training-config and fingerprint checks
+    submit their device reads to the progress tracker's poller (no poller of
+    their own), so the step end polls them and a rank's exit drains them with
+    the step's own. A read still pending there reaches its check when
+    Progress polls."""
+    from rankwatch.agent.checks import fingerprints, train_config
+    from rankwatch.agent.core.imports import ImportWatch
+
+    emit, progress, patches = FakeEmit(), FakeProgress(step=3), FakePatches()
+    config = config_mod.Config()
+    parts = [
+        update_checks.attach(_fake_models(), emit=emit, progress=progress, patches=patches),
+        train_config.attach(_fake_models(), None, emit=emit, progress=progress, patches=patches,
+                            imports=ImportWatch()),
+        fingerprints.attach_optimizers(_fake_models(), config=config, progress=progress,
+                                       add_fingerprint=lambda *a, **k: None, ddp_modules=[]),
+    ]
+    assert all(part is not None and part.reader is progress.reads for part in parts)
+
+    class Late:  # a device whose copies are not in yet
+        ready_now = False
+
+        def capturing(self, device=None):
+            return False
+
+        def ready(self, handle):
+            return self.ready_now
+
+    late, got = Late(), []
+    progress.reads._add(late, None, lambda: [1.0], lambda v: None)  # the step's own read, first in line
+    parts[0].reader.submit([torch.tensor(2.0)], got.append)
+    assert got == [] and len(progress.reads.pending) == 2, "waits behind the step's own read"
+    late.ready_now = True
+    progress.reads.poll()
+    assert got == [[2.0]]

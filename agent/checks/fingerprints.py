@@ -37,7 +37,6 @@ import torch
 from rankwatch.config import Config
 from rankwatch.wire import StepRecord
 
-from ..core.device import DeferredReads
 from .grad_checks import fp32_norms
 from ..core.safety import guarded
 from ..core.torch_state import compiling
@@ -222,7 +221,7 @@ class OptimizerFingerprinter:
         self.every = every
         self.multiplier = 1
         self.budget = config.grad_check_budget * BUDGET_SHARE
-        self.reader = DeferredReads()
+        self.reader = progress.reads  # the rank's one poller of deferred device reads (Progress)
         self.started = False
         self._names: Optional[list[str]] = None
         self._version = -1

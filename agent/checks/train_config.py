@@ -41,7 +41,6 @@ import torch
 
 from rankwatch.wire import StepRecord
 
-from ..core.device import DeferredReads
 from ..watch import models as models_mod
 from ..watch.models import Forward, TrainedModels, unwrap, user_site
 from ..core.imports import ImportWatch
@@ -107,7 +106,7 @@ class TrainConfig:
         self.sent: dict[str, str] = {}
         self.sites: dict[str, str] = {}
         self.user: dict[str, str] = {}
-        self.reader = DeferredReads()
+        self.reader = progress.reads  # the rank's one poller of deferred device reads (Progress)
         self._stepped: list[Any] = []  # optimizers that stepped, build order kept
         self._stepped_ids: set[int] = set()
         # Modes: train()/eval() calls since the last summary, and the summary.

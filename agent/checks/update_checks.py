@@ -46,7 +46,6 @@ import torch
 
 from rankwatch.wire import StepRecord
 
-from ..core.device import DeferredReads
 from .grad_checks import fp32_norms
 from ..watch import models as models_mod
 from ..watch.models import Forward, TrainedModels
@@ -97,7 +96,7 @@ class UpdateChecks:
         self.progress = progress
         self.patches = patches
         self.models = models
-        self.reader = DeferredReads()
+        self.reader = progress.reads  # the rank's one poller of deferred device reads (Progress)
         self.reported: set[str] = set()
         self._checked_version = -1
         self._recheck_until = -1

@@ -40,6 +40,10 @@ from ..core.torch_state import compiling, in_backward
 
 HOLD_STEPS = 8  # step records waiting for their device values, at most
 HOLD_S = 10.0  # ... and for at most this long (a stalled device: the record goes without)
+# Pending device reads of the rank, all parts together (the step's own, the
+# update, training-config and fingerprint checks'): four readers' 64 each before
+# they shared this one, so a stalled device still costs a fixed amount.
+SHARED_READS = 256
 
 
 class _Held:
@@ -128,9 +132,10 @@ class Progress:
         self.read_collective_seqs: Optional[Callable[[], dict[str, int]]] = None
         # Memory-mapped record the supervisor reads if the rank dies silently.
         self.blackbox = None
-        # Deferred device reads of this rank (agent/core/device.py), and the step
+        # Deferred device reads of this rank (agent/core/device.py), one poller
+        # for every part (the checks submit theirs here too), and the step
         # records waiting for theirs.
-        self.reads = device_mod.DeferredReads()
+        self.reads = device_mod.DeferredReads(limit=SHARED_READS)
         self._held: collections.deque[_Held] = collections.deque()
         self._held_lock = threading.Lock()
         self._batch: list[tuple[list[Any], Callable[[Optional[list[float]]], None]]] = []
