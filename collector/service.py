@@ -273,6 +273,7 @@ class Collector:
     def ingest_node(self, node: wire.NodeHeartbeat, now: Optional[float] = None) -> wire.Reply:
         now = now or time.time()
         with self._lock:
+            self._evict_finished(now)  # in memory only: the index already has them
             known = self.runs.get(node.run_id)
             world = max(node.world_size, known.world_size if known is not None else 0)
             if world and any(w.rank >= world for w in node.workers):  # checked before anything changes
@@ -391,8 +392,6 @@ class Collector:
         """Hang watch and analyses of every run, each isolated from the others:
         one run's failure is logged once and never stops another's watch."""
         with self._lock:
-            # Finished runs leave memory on the wall clock (a tick may be handed another time).
-            self._evict_finished(time.time())
             runs = [(run, self._runtime(run.run_id)) for run in self.runs.values()]
         for run, rt in runs:
             try:

@@ -142,25 +142,6 @@ def test_the_ingest_path_makes_no_storage_call_and_the_writer_keeps_it_all(tmp_p
         again.stop()
 
 
-def test_a_late_message_for_a_run_that_left_memory_brings_it_back(tmp_path, monkeypatch):
-    from rankwatch.collector import service
-
-    monkeypatch.setattr(service, "FINISHED_KEPT_S", 0.0)
-    collector = Collector(config=Config(), data_dir=tmp_path)
-    try:
-        collector.ingest_heartbeat(_hb(0, 0, world=1, run="done"))
-        collector.finish("done")
-        collector.store.flush()
-        for _ in range(2):
-            collector._evict_checked = 0.0
-            collector._evict_finished(time.time())
-        assert "done" not in collector.runs
-        collector.ingest_heartbeat(_hb(0, 1, world=1, run="done"))  # late: from the index, not a new run
-        assert collector.runs["done"].finished and sorted(collector.runs["done"].ranks[0].steps) == [0, 1]
-    finally:
-        collector.stop()
-
-
 def test_a_read_only_store_starts_no_writer(tmp_path):
     Store(tmp_path / "i.sqlite").close()
     store = Store(tmp_path / "i.sqlite", readonly=True, changes=Changes())

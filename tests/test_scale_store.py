@@ -67,6 +67,12 @@ def test_a_finished_run_leaves_memory_and_is_served_from_the_index(tmp_path, mon
         collector._evict_finished(time.time() + 1)
         assert "done" not in collector.runs
         assert collector.report("done").world_size == 1  # from the index
+        del collector.runs["done"]  # out of memory again
+        collector._index_only.add("done")
+        # A late message is not a new run: the run comes back from the index
+        # (the one read of it on ingest, off the steady path).
+        collector.ingest_heartbeat(_hb(0, 1, world=1, run="done"))
+        assert collector.runs["done"].finished and sorted(collector.runs["done"].ranks[0].steps) == [0, 1]
     finally:
         collector.stop()
 
