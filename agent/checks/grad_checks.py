@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from ..core.ports import Emit, StepProgress
 
 MAX_NAMED = 8
+MAX_STRIDE = 64  # the full gradient check runs at least every 64th step, however costly
 PROBE_ELEMENTS = 512  # elements per model and step, on steps the full check is sampled out
 PROBE_MIN, PROBE_MAX = 16, 8192
 PROBE_ROTATIONS = 16
@@ -381,10 +382,14 @@ class GradChecker:
             return
         wanted = max(1, math.ceil(spent / (self.budget * duration)))
         # Move slowly: one expensive step (first step, a checkpoint) must not swing it.
+        # Powers of two only, checked where step % stride == 0: each rank picks
+        # its own stride, and with these every step a coarser rank checks is
+        # one its finer peers check too, so the collector has peers to compare
+        # a norm with (strides of 3 and 5 shared one step in 15).
         if wanted > self.stride:
-            self.stride = min(self.stride * 2, wanted, 64)
-        elif wanted < self.stride and record.step % 16 == 0:
-            self.stride = max(1, self.stride // 2)
+            self.stride = min(self.stride * 2, MAX_STRIDE)
+        elif 2 * wanted <= self.stride and record.step % 16 == 0:
+            self.stride //= 2
 
     def _adapt_probe(self, record: StepRecord) -> None:
         spent, self._probe_spent = self._probe_spent, 0.0

@@ -90,7 +90,11 @@ class Tracker:
                    if rec.grad_norm is not None and math.isfinite(rec.grad_norm)}
         if not at_step:
             return
-        partial = 2 * len(at_step) < self.full_size
+        # A step few ranks reported, or one rank alone in a job of several
+        # (each rank's agent samples its gradients at its own stride, so at a
+        # few ranks most sampled steps have no peer): the peers' figure is the
+        # last full step's median.
+        partial = 2 * len(at_step) < self.full_size or (len(at_step) == 1 and len(run.ranks) > 1)
         if partial:
             if self.full_median is None:
                 return
