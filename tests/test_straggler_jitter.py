@@ -103,3 +103,30 @@ def test_long_steps_still_decide_on_twelve_steps():
     assert [v.ranks for v in found] == [[3]], found
     first, last = found[0].evidence["steps"]
     assert last - first + 1 == 12 and last <= 10 + 12, (first, last)
+
+
+
+def _sensitivity():
+    """bench/sensitivity.py: the zoo's recorded healthy jobs and its fault writers."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import sensitivity
+
+    return sensitivity
+
+
+def test_a_rank_three_times_slower_on_millisecond_steps_is_named_and_their_jitter_is_not():
+    """Found by bench/sensitivity.py: PPO on CartPole (a few ms a step, two gloo
+    ranks on two cores, its recorded steps repeated to a minute of work). A
+    20-ms floor on the excess hid a 3x straggler on every job with steps
+    under 10 ms."""
+    sensitivity = _sensitivity()
+    job = sensitivity.load_baselines()["ppo_gym-s0"]
+    assert sensitivity.analyse(job) == []
+    slowed = {r: [dict(x) for x in recs] for r, recs in job.items()}
+    at = len(slowed[1]) // 3
+    fault_step = sensitivity._slow(slowed[1], at, 3.0)
+    found = [(v.kind, v.ranks, v.step) for v in sensitivity.analyse(slowed)]
+    assert [f[:2] for f in found] == [("straggler", [1])], found
+    assert abs(found[0][2] - fault_step) <= 12, (found, fault_step)

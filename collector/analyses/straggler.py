@@ -52,7 +52,12 @@ from .common import note_margin, paced, peer_medians, ranks_text, register_track
 THRESHOLD = 1.33  # own / peers' median time (1 / 0.75)
 WINDOW = 12  # steps
 PERSISTENCE = 0.75  # fraction of the window's steps that must be over the threshold
-MIN_EXCESS_S = 0.02  # ignore differences below this (timer noise, tiny steps)
+# Differences below a millisecond are the host's timer and scheduler
+# granularity whatever their ratio. It was 20 ms, which hid a rank three
+# times slower on every job whose steps take under 10 ms (bench/sensitivity.py:
+# 3x named in 120 of 210 zoo trials, now all); the jitter bound above it
+# already scales with the run's own noise (0 false alarms in the zoo at 1 ms).
+MIN_EXCESS_S = 0.001
 MIN_SPAN_S = 5.0  # the window covers at least this much of the run's time (see the module's docstring)
 MAX_WINDOW_STEPS = 512  # ... and at most this many steps (steps under 10 ms)
 WINDOW_ENTRIES = 1_200_000  # ... and at most this many (step, rank) entries: 12 steps of 100,000 ranks
