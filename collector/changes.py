@@ -14,6 +14,7 @@ heartbeat data is noted per beat, in arrival order.
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,8 @@ from typing import Any
 from rankwatch import wire
 
 from .state import RankState, RunState
+
+log = logging.getLogger("rankwatch.collector")
 
 MAX_BEATS = 262_144  # heartbeats noted and not yet taken (a writer stuck on a slow disk): the oldest half goes
 
@@ -35,9 +38,11 @@ class Noted:
     beats: list[tuple[str, int, wire.Heartbeat, list[dict[str, Any]]]] = field(default_factory=list)
     # (run id, manifest, stored path, size, received at)
     bundles: list[tuple[str, wire.BundleManifest, str, int, float]] = field(default_factory=list)
+    # (run id, rank, events) of beats dropped past MAX_BEATS: their events are kept
+    events: list[tuple[str, int, list[wire.Event]]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.runs or self.ranks or self.beats or self.bundles)
+        return bool(self.runs or self.ranks or self.beats or self.bundles or self.events)
 
 
 class Changes:
@@ -58,14 +63,23 @@ class Changes:
             self._noted.ranks[(run_id, state.rank)] = state
 
     def heartbeat(self, run_id: str, rank: int, hb: wire.Heartbeat, fingerprints: list[dict[str, Any]]) -> None:
+        if not (hb.steps or hb.marks or fingerprints or hb.events):
+            return  # nothing of a bare beat goes to the index but the rank's row
         with self._lock:
             beats = self._noted.beats
             beats.append((run_id, rank, hb, fingerprints))
             if len(beats) > MAX_BEATS:
-                # Memory over completeness: the live state has them all; the
-                # index (a restart's, an offline analysis') misses these.
-                self.beats_dropped += MAX_BEATS // 2
+                # Memory over completeness: the live state has every record;
+                # the index (a restart's, an offline analysis') misses the
+                # oldest half's step records, marks and fingerprints. Their
+                # events (an exception, an exit) are kept, as they always were.
+                dropped = beats[: MAX_BEATS // 2]
                 del beats[: MAX_BEATS // 2]
+                self._noted.events += [(r, k, b.events) for r, k, b, _ in dropped if b.events]
+                if not self.beats_dropped:
+                    log.warning("the index writer is behind: the oldest %d heartbeats' records are not indexed "
+                                "(live state has them; /v1/status index_beats_dropped counts them)", len(dropped))
+                self.beats_dropped += len(dropped)
 
     def bundle(self, run_id: str, manifest: wire.BundleManifest, path: str, size: int, received_at: float) -> None:
         with self._lock:
@@ -78,5 +92,6 @@ class Changes:
         return noted
 
     def __len__(self) -> int:
-        noted = self._noted
-        return len(noted.runs) + len(noted.ranks) + len(noted.beats) + len(noted.bundles)
+        with self._lock:
+            noted = self._noted
+            return len(noted.runs) + len(noted.ranks) + len(noted.beats) + len(noted.bundles) + len(noted.events)

@@ -763,6 +763,8 @@ class Collector:
             "tick_seconds_p50": percentile(ticks, 0.5) if ticks else None,
             "tick_seconds_p99": percentile(ticks, 0.99) if ticks else None,
             "index_degraded": self.store.degraded,
+            # heartbeats whose records the index missed (a writer held up past the journal's bound)
+            "index_beats_dropped": self.changes.beats_dropped,
         }
 
 

@@ -27,7 +27,7 @@ import sqlite3
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 from urllib.parse import quote
 
 from rankwatch import wire
@@ -254,25 +254,33 @@ class Store:
                 return
 
     def _take_changes(self) -> None:
-        """What ingest noted since the last flush joins the queues below."""
+        """What ingest noted since the last flush joins the queues below. One
+        row that cannot be queued (its details refuse to encode) is dropped
+        alone, logged, never the rest of the batch."""
         if self.changes is None:
             return
         noted = self.changes.take()
         if not noted:
             return
-        for run in noted.runs.values():
-            self.save_run(run)
-        for run_id, manifest, path, size, received_at in noted.bundles:
-            self.save_bundle(run_id, manifest, path, size, received_at)
-        for run_id, rank, hb, fingerprints in noted.beats:
-            self.save_heartbeat_data(run_id, rank, hb, fingerprints=fingerprints)
-        for (run_id, _), state in noted.ranks.items():
-            self.save_rank(run_id, state)
+        saves: list[tuple[Callable[..., None], tuple, dict]] = [(self.save_run, (run,), {}) for run in noted.runs.values()]
+        saves += [(self.save_bundle, bundle, {}) for bundle in noted.bundles]
+        saves += [(self.save_heartbeat_data, (run_id, rank, hb), {"fingerprints": fingerprints})
+                  for run_id, rank, hb, fingerprints in noted.beats]
+        saves += [(self.save_events, events, {}) for events in noted.events]
+        saves += [(self.save_rank, (run_id, state), {}) for (run_id, _), state in noted.ranks.items()]
+        for save, args, kwargs in saves:
+            try:
+                save(*args, **kwargs)
+            except Exception:
+                log.exception("index: one %s row not written", save.__name__.removeprefix("save_"))
 
     def _flush_once(self, bulk: bool = True, everything: bool = True) -> None:
+        with self._pending_lock:
+            # Counted before the journal is taken: a flush() asked for after
+            # something was noted waits for a flush that takes it.
+            self._started += 1
         self._take_changes()
         with self._pending_lock:
-            self._started += 1
             sql, self._sql = self._sql, []
             verdicts, self._verdicts = self._verdicts, {}
             ranks, batches = {}, {}

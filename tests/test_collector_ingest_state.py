@@ -93,12 +93,46 @@ def test_fingerprints_without_names_take_the_ranks_last_names():
     assert ingest.with_names([{"step": 2, "norms": [1.0]}], []) == [], "no names known yet: dropped"
 
 
-def test_the_journal_is_bounded_when_nothing_takes_it(monkeypatch):
+def test_the_journal_is_bounded_when_nothing_takes_it_and_keeps_the_dropped_beats_events(monkeypatch):
     monkeypatch.setattr(changes_mod, "MAX_BEATS", 8)
     changes, hb = Changes(), _hb(0, 1)
-    for _ in range(20):
+    crash = _hb(0, 2, events=[{"kind": "exception", "at": time.time(), "step": 2, "details": {"type": "E"}}])
+    changes.heartbeat("job", 0, crash, [])
+    for _ in range(19):
         changes.heartbeat("job", 0, hb, [])
-    assert len(changes.take().beats) <= 8 and changes.beats_dropped == 12
+    bare = _hb(0, 3)
+    bare.steps = []
+    changes.heartbeat("job", 0, bare, [])  # nothing for the index: not noted
+    noted = changes.take()
+    assert len(noted.beats) <= 8 and changes.beats_dropped == 12
+    assert noted.events == [("job", 0, crash.events)]
+
+
+def test_a_row_that_cannot_be_written_is_dropped_alone(tmp_path, caplog, monkeypatch):
+    from rankwatch.collector import store as store_mod
+
+    encode = store_mod._dumps_shared
+
+    def refuse_poison(value):
+        if isinstance(value, dict) and "poison" in value:
+            raise ValueError("cannot encode")
+        return encode(value)
+
+    monkeypatch.setattr(store_mod, "_dumps_shared", refuse_poison)
+    collector = Collector(config=Config(), data_dir=tmp_path)
+    try:
+        collector.ingest_heartbeat(_hb(0, 0))
+        collector.ingest_heartbeat(_hb(1, 0, events=[{"kind": "note", "at": time.time(), "step": 0,
+                                                      "details": {"poison": 1}}]))
+        collector.store.flush()
+    finally:
+        collector.stop()
+    again = Collector(config=Config(), data_dir=tmp_path)
+    try:
+        assert sorted(again.runs["job"].ranks) == [0, 1] and sorted(again.runs["job"].ranks[0].steps) == [0]
+        assert "row not written" in caplog.text
+    finally:
+        again.stop()
 
 
 class Tripwire:
