@@ -4,7 +4,7 @@ zoo's healthy jobs (issue 24, part 1): `grad_spike`, `memory_growth` and
 
 Baselines: every healthy zoo job's step records as the collector received
 them (`bench/data/zoo_series.json.gz`, extracted from `bench/zoo.py`'s run
-dirs with `--extract`; 36 jobs from Lightning, Hugging Face, timm,
+dirs with `--extract`; 35 jobs from Lightning, Hugging Face, timm,
 torchvision, diffusers, PEFT, PyG, Gymnasium and plain torch, 2 gloo ranks on
 a 2-core host). A fault of a given magnitude is written into one rank's
 records from a given step, and the collector's analyses run on the result
@@ -16,6 +16,15 @@ away). Every (job, rank, fault step) is one trial:
 - `memory_growth`: the rank's RSS grows by ``k`` bytes every step from the
   fault step on (a leak);
 - `straggler`: the rank's own compute time times ``k`` from the fault step on.
+
+Each job's recorded steps are repeated to 600 steps (a minute of work for
+`straggler`), so what is measured is the magnitude, not how long a zoo job
+happened to run after the fault. Two simplifications, both on the records
+alone: a slowed rank's peers keep their recorded own times (in a real DDP
+job they wait for it in the allreduce, which the agent leaves out of their
+own time, so this should be close); and RSS restarts from its recorded value
+at each repetition (a drop every few hundred steps, which can only make a
+leak harder to name). `bench/faultbench.py` runs real faulted jobs.
 
 "Named" is the right kind on the right rank (for `grad_spike`, at the spiked
 step). Magnitude 0 (or 1 for factors) is the healthy job itself: any verdict

@@ -55,7 +55,7 @@ PERSISTENCE = 0.75  # fraction of the window's steps that must be over the thres
 # Differences below a millisecond are the host's timer and scheduler
 # granularity whatever their ratio. It was 20 ms, which hid a rank three
 # times slower on every job whose steps take under 10 ms (bench/sensitivity.py:
-# 3x named in 120 of 210 zoo trials, now all); the jitter bound above it
+# 3x named in 57 % of the zoo's trials, now in all); the jitter bound above it
 # already scales with the run's own noise (0 false alarms in the zoo at 1 ms).
 MIN_EXCESS_S = 0.001
 MIN_SPAN_S = 5.0  # the window covers at least this much of the run's time (see the module's docstring)
