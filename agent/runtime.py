@@ -432,7 +432,10 @@ class Agent:
         config, emit, progress = self.config, self.record_event, self.progress
         self._extend(grad_checks.attach(ddp, config=config, emit=emit, progress=progress,
                                         collectives=self.collectives))
-        self._extend(fingerprints.attach(ddp, config=config, progress=progress, add_fingerprint=self.add_fingerprint))
+        # The model's place among the job's DDP models (built in the same order on
+        # every rank): a job with two (a GAN) fingerprints each apart.
+        self._extend(fingerprints.attach(ddp, config=config, progress=progress, add_fingerprint=self.add_fingerprint,
+                                         model=len(self.ddp_modules) - 1))
         self._extend(gradient_flow.attach(ddp, config=config, emit=emit, progress=progress))
 
     def _extend(self, ext: Any) -> None:

@@ -62,9 +62,12 @@ def syncs_buffers_before_forward(ddp) -> bool:
 
 class Fingerprinter:
     def __init__(self, ddp, every: int, *, config: Config, progress: "StepProgress",
-                 add_fingerprint: "AddFingerprint") -> None:
+                 add_fingerprint: "AddFingerprint", model: int = 0) -> None:
         self.add_fingerprint = add_fingerprint
         self.ddp = ddp
+        # Which of the job's DDP models (0 for the first): the collector compares
+        # each model's prints with the same model's on the other ranks.
+        self.model = model
         self.every = every
         self.multiplier = 1
         self.budget = config.grad_check_budget * BUDGET_SHARE
@@ -168,6 +171,8 @@ class Fingerprinter:
         if not values:
             return
         extra = {"buffers": "after_broadcast"} if buffer_norms else {}  # where DDP made them equal
+        if self.model:
+            extra["model"] = self.model
 
         def consume(norms: Optional[list[float]], step=step, names=names) -> None:
             if norms is None:  # not readable (a graph capture, a stalled device)
@@ -177,12 +182,12 @@ class Fingerprinter:
         self.reader.submit(values, consume)
 
 
-def attach(ddp, *, config: Config, progress: "StepProgress",
-           add_fingerprint: "AddFingerprint") -> Optional[Fingerprinter]:
+def attach(ddp, *, config: Config, progress: "StepProgress", add_fingerprint: "AddFingerprint",
+           model: int = 0) -> Optional[Fingerprinter]:
     every = config.fingerprint_every
     if every <= 0:
         return None
-    return Fingerprinter(ddp, every, config=config, progress=progress, add_fingerprint=add_fingerprint)
+    return Fingerprinter(ddp, every, config=config, progress=progress, add_fingerprint=add_fingerprint, model=model)
 
 
 # -- without DDP: through the optimizers' parameters ----------------------------------------------

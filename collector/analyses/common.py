@@ -298,7 +298,7 @@ class _Sealer:
         self.pending: dict[int, dict[int, Any]] = {}
         self.frontier: dict[int, int] = {}
         self.sealed_upto = -1
-        self.prints: dict[int, dict[int, dict]] = {}
+        self.prints: dict[int, dict[int, dict[int, dict]]] = {}  # step -> model -> rank -> print
         self.print_frontier: dict[int, int] = {}
         self.prints_sealed_upto = -1
         self.late = 0  # records that arrived after their step was sealed (ignored)
@@ -348,7 +348,11 @@ def _settle(run, final: bool) -> None:
             step = item.get("step")
             if not isinstance(step, int) or step <= sealer.prints_sealed_upto:
                 continue
-            sealer.prints.setdefault(step, {})[rank] = item
+            # One rank's prints of one step, per model (a job with two DDP models, a
+            # GAN, prints each; a rank may sample one out): each is compared
+            # with the same model's on the other ranks, never with another's.
+            model = item.get("model", 0)
+            sealer.prints.setdefault(step, {}).setdefault(model if type(model) is int else 0, {})[rank] = item
             if step > sealer.print_frontier.get(rank, -1):
                 sealer.print_frontier[rank] = step
     if run.durations:
@@ -401,10 +405,11 @@ def _seal_prints(run, sealer: _Sealer, live: list[int], active: list, final: boo
     for step in sorted(sealer.prints):
         if step > limit and len(sealer.prints) <= PENDING_PRINTS:
             break
-        prints = sealer.prints.pop(step)
+        models = sealer.prints.pop(step)
         sealer.prints_sealed_upto = step
-        for hook in hooks:
-            hook(run, step, prints)
+        for model in sorted(models):
+            for hook in hooks:
+                hook(run, step, models[model])
 
 
 def peer_medians(values: dict[int, float]) -> dict[int, float]:
