@@ -185,7 +185,7 @@ def _check_identity(d: dict) -> wire.RankIdentity:
     return _RankIdentity(run_id, rank, local_rank, world, node_rank, host, pid, attempt)
 
 
-_FINGERPRINT_KEYS = frozenset(("step", "names", "norms"))
+_FINGERPRINT_KEYS = frozenset(("step", "names", "norms", "sums"))
 _MARK_KEYS = frozenset(("step", "seqs"))
 _CollectiveMark = wire.CollectiveMark
 _MAX_NAME = 1024  # a parameter's name; a longer one takes wire's road (its limit is wire.MAX_STRING_CHARS)
@@ -193,7 +193,8 @@ _MAX_NAME = 1024  # a parameter's name; a longer one takes wire's road (its limi
 
 def _fingerprints(value: Any) -> list:
     """Parameter fingerprints of the common shape: a step, printable names
-    (or none: the rank's last ones), finite norms, as many of each. Anything
+    (or none: the rank's last ones), finite norms, as many of each, and
+    optionally as many bit checksums (32-bit unsigned integers). Anything
     else (a non-finite norm sent as a string, other keys) takes wire's road."""
     if type(value) is not list or len(value) > wire.MAX_LIST_ITEMS:
         raise _Slow
@@ -215,8 +216,16 @@ def _fingerprints(value: Any) -> list:
             for n in names:
                 if type(n) is not str or len(n) > _MAX_NAME or not n.isprintable():
                     raise _Slow
+        sums = fp.get("sums")
+        if sums is not None and not _checksums(sums, len(norms)):
+            raise _Slow
         fp["norms"] = [float(v) for v in norms]
     return value
+
+
+def _checksums(sums: Any, count: int) -> bool:
+    return (type(sums) is list and len(sums) == count
+            and all(type(v) is int and 0 <= v <= 0xFFFFFFFF for v in sums))
 
 
 def _marks(value: Any) -> list:

@@ -665,7 +665,8 @@ def _rank_key(value, path):
 
 
 def _fingerprints(value, path):
-    """Parameter fingerprints (free-form in the dataclass): step, names, norms."""
+    """Parameter fingerprints (free-form in the dataclass): step, names, norms,
+    and optionally one bit checksum per norm (`sums`, agent/checks/fingerprints.py)."""
     for i, fp in enumerate(value):
         where = f"{path}[{i}]"
         step = fp.get("step")
@@ -681,6 +682,10 @@ def _fingerprints(value, path):
             raise WireError(f"{where}.norms: expected a list of numbers")
         if names and len(names) != len(norms):
             raise WireError(f"{where}: {len(names)} names for {len(norms)} norms")
+        sums = fp.get("sums")
+        if sums is not None and not (isinstance(sums, list) and len(sums) == len(norms) and all(
+                type(v) is int and 0 <= v <= 0xFFFFFFFF for v in sums)):
+            raise WireError(f"{where}.sums: expected one 32-bit checksum per norm")
         fp["norms"] = floats  # "NaN" strings back to floats: the analysis compares them
     return value
 

@@ -5,9 +5,24 @@ Every N optimizer steps, one fused kernel (``torch._foreach_norm``) gives a
 norm per parameter; the vector goes to the collector in the next heartbeat
 (through the device adapter's deferred read: a pinned, non-blocking copy
 read a step later on a GPU). The
-collector compares replicas; no collective is added to the training. A norm
-changes with any perturbation of a tensor except an exact permutation or sign
-flip of its elements, which no real fault produces.
+collector compares replicas; no collective is added to the training.
+
+Each tensor gets two numbers:
+- its float32 L2 norm, compared within a relative tolerance. A norm says how
+  far apart replicas are, but it is blunt: a zero-mean perturbation of a
+  tensor of n elements moves it by about 1/sqrt(n) of the perturbation's own
+  relative size (a 1e-3 * randn nudge of a 6-million-element embedding
+  moves its norm by ~1e-6, below any tolerance);
+- an exact checksum of its bits: the sum of its elements' bit patterns read
+  as integers, modulo 2**16, 2**32 or 2**64 by element size (one reduction
+  kernel on the tensor's own memory, `Tensor.view(int dtype)`: no copy).
+  Integer addition is associative, so the checksum does not depend on the
+  reduction's order, device or thread count; any change of any element
+  changes it (a collision needs the changes to cancel modulo 2**bits). DDP
+  replicas hold the same bits (every rank applies the same all-reduced
+  gradients with the same optimizer), as Megatron-LM's check of parameter
+  hashes across data-parallel replicas also assumes, so any difference is
+  a real divergence, however small.
 
 Only what DDP promises to keep equal is compared:
 - parameters at the end of an optimizer step (after the gradient allreduce),
@@ -47,6 +62,53 @@ if TYPE_CHECKING:
 MAX_TENSORS = 8192
 MAX_MULTIPLIER = 64
 BUDGET_SHARE = 0.5  # of the gradient-check budget (the checks use the rest)
+
+
+# An element's bits as an integer of its own size: the checksum sums these.
+_BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
+         torch.float64: torch.int64}
+_PIECES = 4  # an int64 checksum travels as four int16 pieces (exact in float32, the deferred read's type)
+
+
+def digest(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Device tensors to read (DeferredReads.submit) for ``tensors``: their
+    float32 norms, then their bit checksums as int16 pieces. Read back with
+    `read_digest`. No host-device copy: reductions, a stack and views."""
+    if not tensors:
+        return []
+    return fp32_norms(tensors) + [_checksum_pieces(tensors)]
+
+
+def _checksum_pieces(tensors: list[torch.Tensor]) -> torch.Tensor:
+    sums = []
+    for t in tensors:
+        as_int = _BITS.get(t.dtype)
+        if as_int is None or t.is_complex() or t.layout != torch.strided:
+            sums.append(t.new_zeros((), dtype=torch.int64))  # not checksummed: equal on every rank
+        else:
+            # Summed in its own width (wrapping): a wider accumulator would make
+            # ATen copy the whole tensor into that type first.
+            sums.append(t.view(as_int).sum(dtype=as_int))
+    dtypes = {s.dtype for s in sums}
+    if len(dtypes) == 1:
+        stacked = torch.stack(sums).to(torch.int64)
+    else:
+        stacked = torch.stack([s.to(torch.int64) for s in sums])
+    return stacked.view(torch.int16)
+
+
+def read_digest(values: list[float], count: int) -> tuple[list[float], list[int]]:
+    """The host values of `digest` for ``count`` tensors -> (norms, checksums),
+    each checksum folded to 32 bits."""
+    norms = values[:count]
+    pieces = values[count:count + _PIECES * count]
+    sums = []
+    for i in range(0, len(pieces), _PIECES):
+        whole = 0
+        for j, piece in enumerate(pieces[i:i + _PIECES]):
+            whole |= (int(piece) & 0xFFFF) << (16 * j)
+        sums.append((whole & 0xFFFFFFFF) ^ (whole >> 32))
+    return norms, sums
 
 
 def syncs_buffers_before_forward(ddp) -> bool:
@@ -112,11 +174,11 @@ class Fingerprinter:
             self._submit(*self._pending, [])
             self._pending = None
         with torch.no_grad():
-            norms = fp32_norms([t.detach() for t in self.params])
+            values = digest([t.detach() for t in self.params])
         if self.compare_buffers:
-            self._pending = (record.step, norms)
+            self._pending = (record.step, values)
         else:
-            self._submit(record.step, norms, [])
+            self._submit(record.step, values, [])
         spent, self._buffer_spent = time.perf_counter() - started + self._buffer_spent, 0.0
         self._adapt(record, spent)
 
@@ -143,7 +205,7 @@ class Fingerprinter:
         syncing, self._syncing = self._syncing, False
         if not syncing or self._pending is None or compiling():
             return
-        step, param_norms = self._pending
+        step, param_values = self._pending
         self._pending = None
         started = time.perf_counter()
         current = [(f"buffer:{n}", b) for n, b in self.buffer_module.named_buffers()
@@ -151,11 +213,11 @@ class Fingerprinter:
         names = [n for n, _ in current][: len(self.buffer_names) + 1]
         buffers = [b for _, b in current][: len(self.buffer_names)]
         if names != self.buffer_names:  # buffers were added or replaced: compare parameters only
-            self._submit(step, param_norms, [])
+            self._submit(step, param_values, [])
             return
         with torch.no_grad():
-            norms = fp32_norms([b.detach() for b in buffers])
-        self._submit(step, param_norms, norms)
+            values = digest([b.detach() for b in buffers])
+        self._submit(step, param_values, values)
         self._buffer_spent = time.perf_counter() - started  # counted at the next adaptation
 
     @guarded("fingerprints")
@@ -165,19 +227,24 @@ class Fingerprinter:
             self._submit(*self._pending, [])
             self._pending = None
 
-    def _submit(self, step: int, param_norms: list[torch.Tensor], buffer_norms: list[torch.Tensor]) -> None:
-        names = self.names if buffer_norms else self.param_names
-        values = param_norms + buffer_norms
+    def _submit(self, step: int, param_values: list[torch.Tensor], buffer_values: list[torch.Tensor]) -> None:
+        names = self.names if buffer_values else self.param_names
+        values = param_values + buffer_values
         if not values:
             return
-        extra = {"buffers": "after_broadcast"} if buffer_norms else {}  # where DDP made them equal
+        extra = {"buffers": "after_broadcast"} if buffer_values else {}  # where DDP made them equal
         if self.model:
             extra["model"] = self.model
+        params, buffers = len(self.param_names), len(self.buffer_names) if buffer_values else 0
 
-        def consume(norms: Optional[list[float]], step=step, names=names) -> None:
-            if norms is None:  # not readable (a graph capture, a stalled device)
+        def consume(read: Optional[list[float]], step=step, names=names) -> None:
+            if read is None:  # not readable (a graph capture, a stalled device)
                 return
-            self.add_fingerprint({"step": step, "names": names, "norms": norms, **extra})
+            norms, sums = read_digest(read, params)
+            if buffers:
+                buffer_norms, buffer_sums = read_digest(read[(1 + _PIECES) * params:], buffers)
+                norms, sums = norms + buffer_norms, sums + buffer_sums
+            self.add_fingerprint({"step": step, "names": names, "norms": norms, "sums": sums, **extra})
 
         self.reader.submit(values, consume)
 
@@ -281,15 +348,17 @@ class OptimizerFingerprinter:
         if not params:
             return
         with torch.no_grad():
-            norms = fp32_norms([p.detach() for p in params])
+            values = digest([p.detach() for p in params])
         step = record.step
 
-        def consume(values: Optional[list[float]], step=step, names=names) -> None:
-            if values is None:
+        def consume(read: Optional[list[float]], step=step, names=names) -> None:
+            if read is None:
                 return  # not readable (a graph capture, a stalled device)
-            self.add_fingerprint({"step": step, "names": names, "norms": values, "source": "optimizer"})
+            norms, sums = read_digest(read, len(names))
+            self.add_fingerprint({"step": step, "names": names, "norms": norms, "sums": sums,
+                                  "source": "optimizer"})
 
-        self.reader.submit(norms, consume)
+        self.reader.submit(values, consume)
         spent = time.perf_counter() - started
         duration = record.ended_at - record.started_at
         if self.budget > 0 and duration > 0:

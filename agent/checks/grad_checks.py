@@ -87,7 +87,9 @@ def fp32_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     try:
         return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
     except (TypeError, RuntimeError):
-        return [torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]
+        # Also a float64 tensor among half ones: `dtype=float32` refuses it (a narrowing).
+        return [torch.linalg.vector_norm(t).float() if t.dtype in (torch.float32, torch.float64)
+                else torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]
 
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max

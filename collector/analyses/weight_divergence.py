@@ -7,6 +7,12 @@ weights DDP itself broadcasts as the reference; a tie without rank 0 (it
 sampled that step out) decides nothing. Parameters only: buffers
 (BatchNorm running statistics) differ legitimately between DDP's broadcasts.
 
+Two ranks agree on a tensor when their norms are within RTOL of each other
+and, where both agents sent them, their bit checksums are equal
+(agent/checks/fingerprints.py): the checksum sees a difference of any size,
+which a norm misses when it is small or zero-mean (`bits_only_tensors` in
+the evidence).
+
 The evidence says the cause (`cause`) when it is visible:
 - `unreduced_gradients`: a rank stepped its optimizer on gradients whose
   backward DDP never reduced (a forward through ``ddp.module``, or inside
@@ -118,7 +124,9 @@ class Tracker:
                           "module": str(event.details.get("module", ""))[:64],
                           "first_at": min(ended) if ended else event.at}
 
-    def _values(self, fp: dict) -> Optional[tuple]:
+    def _values(self, fp: dict) -> Optional[tuple[tuple, Optional[tuple]]]:
+        """The compared tensors' norms, and their bit checksums when the
+        agent sent them (None otherwise: an older agent)."""
         norms = fp.get("norms")
         if not isinstance(norms, list):
             return None
@@ -127,9 +135,13 @@ class Tracker:
         if key not in self._selection:
             self._selection[key] = _compared(names)
         keep = self._selection[key]
+        sums = fp.get("sums")
+        if not isinstance(sums, list) or len(sums) != len(norms):
+            sums = None
         if keep is None:
-            return tuple(norms)
-        return tuple(norms[i] for i in keep if i < len(norms))
+            return tuple(norms), (tuple(sums) if sums is not None else None)
+        return (tuple(norms[i] for i in keep if i < len(norms)),
+                tuple(sums[i] for i in keep if i < len(sums)) if sums is not None else None)
 
     def on_prints(self, run: RunState, step: int, prints: dict[int, dict]) -> None:
         start = any(fp.get("at") == "start" for fp in prints.values())
@@ -149,7 +161,7 @@ class Tracker:
         groups: list[tuple[tuple, list[int]]] = []
         for values, ranks in exact.items():
             for group_values, group in groups:
-                if _same(list(group_values), list(values)):
+                if _agree(group_values, values):
                     group.extend(ranks)
                     break
             else:
@@ -174,18 +186,39 @@ class Tracker:
         names = list(ref.get("names") or [])
         keep = _compared(names)
         indices = range(min(len(ref["norms"]), len(odd["norms"]))) if keep is None else keep
-        differing = [names[i] if i < len(names) else f"#{i}" for i in indices
-                     if i < len(ref["norms"]) and i < len(odd["norms"])
-                     and not _close(ref["norms"][i], odd["norms"][i])]
+        ref_sums, odd_sums = _sums(ref), _sums(odd)
+        differing, bits_only = [], []
+        for i in indices:
+            if i >= len(ref["norms"]) or i >= len(odd["norms"]):
+                continue
+            name = names[i] if i < len(names) else f"#{i}"
+            if not _close(ref["norms"][i], odd["norms"][i]):
+                differing.append(name)
+            elif ref_sums is not None and odd_sums is not None and ref_sums[i] != odd_sums[i]:
+                differing.append(name)
+                bits_only.append(name)
         shown = set(differing[:8])
         sample = sorted(prints) if len(prints) <= 64 else sorted(set(reference[:32]) | set(culprits[:32]))
         ended = [run.ranks[r].steps[step].ended_at for r in culprits[:64]
                  if r in run.ranks and step in run.ranks[r].steps]
         self.finding = {
             "step": step, "reference": reference, "culprits": culprits, "differing": differing,
-            "first_at": min(ended) if ended else None, "at_start": at_start,
+            "first_at": min(ended) if ended else None, "at_start": at_start, "bits_only": bits_only,
             "norms": {str(r): {n: v for n, v in zip(names, prints[r]["norms"]) if n in shown} for r in sample},
         }
+
+
+def _agree(a: tuple[tuple, Optional[tuple]], b: tuple[tuple, Optional[tuple]]) -> bool:
+    """Two ranks' fingerprints: norms within tolerance, and the same bits
+    where both sent checksums."""
+    if not _same(list(a[0]), list(b[0])):
+        return False
+    return a[1] is None or b[1] is None or a[1] == b[1]
+
+
+def _sums(fp: dict) -> Optional[list]:
+    sums = fp.get("sums")
+    return sums if isinstance(sums, list) and len(sums) == len(fp.get("norms") or ()) else None
 
 
 def _close(x: float, y: float) -> bool:
@@ -208,6 +241,11 @@ def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
     step, reference, culprits, differing = (finding["step"], finding["reference"], finding["culprits"],
                                             finding["differing"])
     evidence = {"reference_ranks": reference, "differing_tensors": differing[:32], "norms": finding["norms"]}
+    bits_only = finding.get("bits_only") or []
+    if bits_only:
+        # Norms equal within RTOL, checksums not: a difference too small (or too
+        # zero-mean) for a norm to show, still a divergence DDP never repairs.
+        evidence["bits_only_tensors"] = bits_only[:32]
     if finding.get("at_start"):
         evidence["cause"] = "unsynced_start"
         against = f"from {ranks_text(reference)}" if reference else "from each other"
@@ -218,10 +256,15 @@ def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
                    f"before training (dist.broadcast of each, or wrap the model in DDP), or seed every rank alike "
                    f"before building the model.")
     else:
+        small = ""
+        if bits_only and len(bits_only) == len(differing):
+            small = (f" Their norms agree within {RTOL:g}: the difference is small, seen in the tensors' bit "
+                     f"checksums.")
         summary = (f"{ranks_text(culprits).capitalize()} {verb(culprits, 'holds', 'hold')} different weights from "
                    f"{ranks_text(reference)} after step {step}: {len(differing)} tensor(s) differ, first "
-                   f"{', '.join(differing[:3])}. The replicas no longer train the same model (a missed broadcast, "
-                   f"a rank-local update, or silent data corruption).")
+                   f"{', '.join(differing[:3])}.{small} The replicas no longer train the same model (a missed "
+                   f"broadcast, a rank-local update, or silent data corruption); DDP averages gradients, never "
+                   f"weights, so the difference stays.")
     first = finding["first_at"] if finding["first_at"] is not None else now
     return [verdict("weight_divergence", culprits, step, first, now, summary, evidence)]
 
