@@ -90,8 +90,3 @@ class Changes:
         with self._lock:
             noted, self._noted = self._noted, Noted()
         return noted
-
-    def __len__(self) -> int:
-        with self._lock:
-            noted = self._noted
-            return len(noted.runs) + len(noted.ranks) + len(noted.beats) + len(noted.bundles) + len(noted.events)

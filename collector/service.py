@@ -398,8 +398,6 @@ class Collector:
                 self._tick_run(run, rt, now)
             except Exception:
                 self._failed_once(run, rt, "tick")
-        with self._lock:
-            self.store.commit()
 
     def _tick_run(self, run: RunState, rt: _RunRuntime, now: float) -> None:
         with self._lock:
@@ -711,7 +709,6 @@ class Collector:
             for state in run.ranks.values():
                 self.store.save_rank(run_id, state)
             verdicts = self._analyse(run, time.time(), final=True)
-            self.store.commit()
             report = report_mod.build(run, verdicts)
             self._keep_report(run_id, report)
             return report

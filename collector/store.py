@@ -379,9 +379,6 @@ class Store:
             self._wake.set()
             self._flushed.wait_for(lambda: self._generation >= target or not self._thread.is_alive(), timeout)
 
-    def commit(self) -> None:
-        """Kept for callers of the old API: writes go out on the writer's clock."""
-
     def close(self) -> None:
         if self._thread is not None:
             self._stop = True
