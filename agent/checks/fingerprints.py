@@ -111,6 +111,21 @@ def read_digest(values: list[float], count: int) -> tuple[list[float], list[int]
     return norms, sums
 
 
+def adapted(multiplier: int, every: int, budget: float, record: StepRecord, spent: float) -> int:
+    """The interval's multiplier that keeps a fingerprint's amortised cost
+    (``spent`` seconds every ``every * multiplier`` steps) within ``budget``
+    of the step time: doubled when over, halved when far under."""
+    duration = record.ended_at - record.started_at
+    if budget <= 0 or duration <= 0:
+        return multiplier
+    allowed = budget * duration * every * multiplier
+    if spent > allowed and multiplier < MAX_MULTIPLIER:
+        return multiplier * 2
+    if spent < allowed / 8 and multiplier > 1:
+        return multiplier // 2
+    return multiplier
+
+
 def syncs_buffers_before_forward(ddp) -> bool:
     """DDP broadcasts this model's buffers from rank 0 at the start of a
     forward (the default; not with broadcast_buffers=False or a buffer hook)."""
@@ -180,18 +195,7 @@ class Fingerprinter:
         else:
             self._submit(record.step, values, [])
         spent, self._buffer_spent = time.perf_counter() - started + self._buffer_spent, 0.0
-        self._adapt(record, spent)
-
-    def _adapt(self, record: StepRecord, spent: float) -> None:
-        """Keep the amortised cost within its share of the budget."""
-        duration = record.ended_at - record.started_at
-        if self.budget <= 0 or duration <= 0:
-            return
-        allowed = self.budget * duration * self.interval
-        if spent > allowed and self.multiplier < MAX_MULTIPLIER:
-            self.multiplier *= 2
-        elif spent < allowed / 8 and self.multiplier > 1:
-            self.multiplier //= 2
+        self.multiplier = adapted(self.multiplier, self.every, self.budget, record, spent)
 
     # -- buffers, right after DDP's broadcast ---------------------------------------
     @guarded("fingerprints.buffers")
@@ -359,14 +363,7 @@ class OptimizerFingerprinter:
                                   "source": "optimizer"})
 
         self.reader.submit(values, consume)
-        spent = time.perf_counter() - started
-        duration = record.ended_at - record.started_at
-        if self.budget > 0 and duration > 0:
-            allowed = self.budget * duration * interval
-            if spent > allowed and self.multiplier < MAX_MULTIPLIER:
-                self.multiplier *= 2
-            elif spent < allowed / 8 and self.multiplier > 1:
-                self.multiplier //= 2
+        self.multiplier = adapted(self.multiplier, self.every, self.budget, record, time.perf_counter() - started)
 
 
 def attach_optimizers(models, *, config: Config, progress: "StepProgress", add_fingerprint: "AddFingerprint",
