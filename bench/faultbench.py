@@ -93,6 +93,8 @@ def execute(plan: planning.RunPlan, work: Path, timeout: float) -> dict:
     else:
         answers["torchrun"] = tools.torchrun_answer(plain)
     answers["fr_trace"] = tools.fr_trace_answer(plain, work / "plain")
+    if "torchrun" in answers:
+        answers["torchrun+fr_trace"] = tools.combined_answer(answers["torchrun"], answers["fr_trace"], plain)
     return {**plan.to_json(), "tools": answers}
 
 

@@ -139,3 +139,40 @@ def test_every_planned_run_is_reproducible_from_its_seed():
     assert all(0 <= p.rank < p.world_size and plan.FIRST_FAULT_STEP <= p.step <= plan.LAST_FAULT_STEP
                for p in faults)
     assert len({p.rank for p in faults}) == plan.WORLD_SIZE  # culprits vary
+
+
+def test_torchrun_and_flight_recorder_are_scored_as_one_tool(tmp_path):
+    """What users have: torchrun's root cause read with the OOM text it
+    prints, plus fr_trace's finding. Its ceiling is the kinds it can say."""
+    from faultkit import report, tools
+
+    log = tmp_path / "output.log"
+    log.write_text("[rank0]: ok\n[rank2]: RuntimeError: DefaultCPUAllocator: can't allocate memory: you tried "
+                   "to allocate 99 bytes\nRoot Cause (first observed failure):\n  rank      : 2\n  exitcode  : 1\n")
+    outcome = tools.Outcome(1, False, 0.0, 10.0, log, {"rank": 2, "step": 5, "time": 4.0})
+    torchrun = tools.torchrun_answer(outcome)
+    assert [x["kind"] for x in torchrun["verdicts"]] == ["crash"]  # alone: crash is all it says
+    combined = tools.combined_answer(torchrun, {"verdicts": [v("hang", [1], 12.0)]}, outcome)
+    assert [(x["kind"], x["ranks"]) for x in combined["verdicts"]] == [("oom", [2]), ("hang", [1])]
+    log.write_text("[rank2]: ValueError: bad\nRoot Cause (first observed failure):\n  rank      : 2\n  exitcode  : 1\n"
+                   "[rank0]: torch.OutOfMemoryError: a peer's later, unrelated line\n")
+    combined = tools.combined_answer(tools.torchrun_answer(outcome), {"verdicts": []}, outcome)
+    assert [x["kind"] for x in combined["verdicts"]] == ["crash"]  # the root-cause rank's own text decides
+
+    runs = [run("oom", 2, verdicts=[v("oom", [2], 5.0)], tool="torchrun+fr_trace"),
+            run("nan_loss", 1, verdicts=[], tool="torchrun+fr_trace"),
+            run("hang", 0, verdicts=[], tool="torchrun+fr_trace"),
+            run("healthy", tool="torchrun+fr_trace")]
+    assert report.ceiling(runs, "torchrun+fr_trace").hits == 2  # oom and hang: nan_loss is beyond its words
+    assert report.ceiling(runs, "torchrun+fr_trace").n == 3
+
+
+def test_latencies_are_compared_on_the_runs_both_tools_got_right():
+    from faultkit import report
+
+    both = run("crash", 1, verdicts=[v("crash", [1], 101.0)])
+    both["tools"]["torchrun"] = {"injected": both["tools"]["rankwatch"]["injected"], "verdicts": [v("crash", [1], 103.0)]}
+    only_ours = run("hang", 2, verdicts=[v("hang", [2], 150.0)], run_id="h")
+    only_ours["tools"]["torchrun"] = {"injected": only_ours["tools"]["rankwatch"]["injected"], "verdicts": []}
+    (line,) = [x for x in report.paired_table([both, only_ours]) if x.startswith("| torchrun alone")]
+    assert line.startswith("| torchrun alone | 1 | 1.0") and "| 3.0" in line and line.endswith("| 1/1 |")

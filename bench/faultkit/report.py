@@ -18,7 +18,53 @@ TOOLS = {
     "torchrun": "torchrun alone",
     "ray": "Ray Train alone",
     "fr_trace": "Flight Recorder + fr_trace",
+    "torchrun+fr_trace": "torchrun + Flight Recorder + fr_trace",
 }
+
+# The verdict kinds each tool can say at all: its recall ceiling is the share of
+# fault runs whose expected verdict is among them.
+VOCABULARY = {
+    "torchrun": {"crash"},
+    "ray": {"crash"},
+    "fr_trace": {"hang", "collective_mismatch"},
+    "torchrun+fr_trace": {"crash", "oom", "hang", "collective_mismatch"},
+}
+
+
+def ceiling(runs: list[dict], tool: str) -> scoring.Proportion:
+    """The recall a tool could reach at best: scored fault runs whose expected
+    verdict its vocabulary holds (rankwatch: every kind)."""
+    scored = [r for r in runs if r["kind"] != HEALTHY and scoring.status(r, tool) == "scored"]
+    vocabulary = VOCABULARY.get(tool)
+    hits = sum(1 for r in scored if vocabulary is None or r.get("expected") in vocabulary)
+    return scoring.wilson(hits, len(scored))
+
+
+def paired_table(runs: list[dict]) -> list[str]:
+    """Time to verdict on the same runs: those rankwatch and the other tool
+    both got right, median of each."""
+    lines = ["| against | runs both got right | rankwatch median s [95 % CI] | the other's median s [95 % CI] | "
+             "rankwatch faster on |", "|---|---|---|---|---|"]
+    for tool in tools_present(runs):
+        if tool == "rankwatch":
+            continue
+        ours, theirs, faster = [], [], 0
+        for run in runs:
+            a, b = scoring.scored(run, "rankwatch"), scoring.scored(run, tool)
+            if a is None or b is None or run["kind"] == HEALTHY:
+                continue
+            x, y = scoring.time_to_verdict(run, a), scoring.time_to_verdict(run, b)
+            if x is None or y is None:
+                continue
+            ours.append(x)
+            theirs.append(y)
+            faster += x < y
+        if not ours:
+            lines.append(f"| {TOOLS[tool]} | 0 | – | – | – |")
+            continue
+        lines.append(f"| {TOOLS[tool]} | {len(ours)} | {seconds(scoring.quantile(ours, 0.5))} | "
+                     f"{seconds(scoring.quantile(theirs, 0.5))} | {faster}/{len(ours)} |")
+    return lines
 
 
 def machine() -> dict:
@@ -135,8 +181,8 @@ def headline_table(runs: list[dict]) -> list[str]:
     for tool in tools:
         s = scoring.score_overall(runs, tool)
         p = scoring.score_precision(runs, tool)["all"]
-        cells.append(f"recall {_num(s.recall.value)}, precision {_num(p.precision.value)}, "
-                     f"median {_num(s.median.value, 1)} s")
+        cells.append(f"recall {_num(s.recall.value)} (ceiling {_num(ceiling(runs, tool).value)}), "
+                     f"precision {_num(p.precision.value)}, median {_num(s.median.value, 1)} s")
     lines.append("| **all** | " + " | ".join(cells) + " |")
     return lines
 
@@ -288,6 +334,17 @@ def markdown(runs: list[dict], settings: dict, info: dict, command: str, files: 
         "fault fired:",
         "",
         *headline_table(runs),
+        "",
+        "A tool's ceiling is the recall it could reach at best: the share of fault runs whose expected verdict "
+        "is a kind it can say at all (torchrun: `crash`; fr_trace: `hang`, `collective_mismatch`; the two "
+        "together, reading the out-of-memory text torchrun prints: also `oom`). Medians here are over each "
+        "tool's own correct runs; the paired comparison below uses the same runs for both.",
+        "",
+        "## Time to verdict on the same runs",
+        "",
+        "Runs that rankwatch and the other tool both named correctly; each median over those runs only.",
+        "",
+        *paired_table(runs),
         "",
         "## Per fault kind and tool",
         "",

@@ -202,6 +202,7 @@ def base_env(plan: RunPlan, truth: Path, pg_timeout: float, fr_dir: Optional[Pat
         "FAULTBENCH_RANK": "" if plan.rank is None else str(plan.rank),
         "FAULTBENCH_STEP": "" if plan.step is None else str(plan.step),
         "FAULTBENCH_VARIANT": plan.variant,
+        "FAULTBENCH_MAGNITUDE": plan.magnitude,
         "FAULTBENCH_SEED": str(plan.seed),
         "FAULTBENCH_TRUTH": str(truth),
         "FAULTBENCH_PG_TIMEOUT": str(pg_timeout),
@@ -298,6 +299,25 @@ def torchrun_answer(outcome: Outcome) -> dict:
     if found:
         verdicts.append({"kind": "crash", "ranks": [int(found.group(1))], "step": None, "time": outcome.ended_at,
                          "summary": f"Root Cause: rank {found.group(1)}, exitcode {found.group(2)}"})
+    return _answer(outcome, verdicts)
+
+
+OOM_TEXT = re.compile(r"OutOfMemoryError|CUDA out of memory|DefaultCPUAllocator: can't allocate memory|"
+                      r"\bMemoryError\b")
+
+
+def combined_answer(torchrun: dict, fr_trace: dict, outcome: Outcome) -> dict:
+    """What users have, scored as one tool: torchrun's root-cause rank read
+    with the error text it prints (an out-of-memory error there is `oom`, any
+    other a `crash`), and Flight Recorder + fr_trace on a failed or hung job
+    (hang, collective mismatch). Each verdict keeps its own time."""
+    text = outcome.output()
+    verdicts = []
+    for v in torchrun.get("verdicts") or []:
+        said = [line for line in text.splitlines() if f"[rank{v['ranks'][0]}]" in line] if v.get("ranks") else []
+        oom = any(OOM_TEXT.search(line) for line in said) or (not said and OOM_TEXT.search(text))
+        verdicts.append({**v, "kind": "oom" if oom else v["kind"]})
+    verdicts += fr_trace.get("verdicts") or []
     return _answer(outcome, verdicts)
 
 
