@@ -60,7 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="skip runs already in OUT/runs.jsonl")
     p.add_argument("--collective-timeout", type=float, default=30.0,
                    help="seconds, every process group, with and without rankwatch")
-    p.add_argument("--world-size", type=int, default=planning.WORLD_SIZE)
+    p.add_argument("--world-size", type=int, default=None,
+                   help=f"ranks per job (default: drawn per run from {list(planning.WORLD_SIZES)})")
     p.add_argument("--steps", type=int, default=planning.STEPS)
     p.add_argument("--rescore", default="", metavar="DIR", help="only rebuild the outputs from DIR/runs.jsonl")
     a = p.parse_args(argv)
@@ -173,6 +174,8 @@ def main(argv=None) -> int:
     docs = (a.docs or full) and not a.no_docs
     out = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="faultbench-"))
     out.mkdir(parents=True, exist_ok=True)
+    if a.quick and a.world_size is None:
+        a.world_size = planning.WORLD_SIZE  # the CI slice: one size, its cost known
     plans = planning.plan_all(shapes, kinds, seeds, a.world_size, a.steps, healthy_seeds)
     jsonl = out / "runs.jsonl"
     done: dict[str, dict] = {}

@@ -176,3 +176,11 @@ def test_latencies_are_compared_on_the_runs_both_tools_got_right():
     only_ours["tools"]["torchrun"] = {"injected": only_ours["tools"]["rankwatch"]["injected"], "verdicts": []}
     (line,) = [x for x in report.paired_table([both, only_ours]) if x.startswith("| torchrun alone")]
     assert line.startswith("| torchrun alone | 1 | 1.0") and "| 3.0" in line and line.endswith("| 1/1 |")
+
+
+def test_the_verdicts_step_is_scored_against_the_injections():
+    exact = run("nan_loss", 1, verdicts=[dict(v("nonfinite", [1], 101.0), step=5)])
+    late = run("grad_spike", 2, verdicts=[dict(v("grad_spike", [2], 102.0), step=8)], run_id="late")
+    unknown = run("crash", 0, verdicts=[v("crash", [0], 103.0)], run_id="nostep")
+    assert [scoring.step_lag(r, r["tools"]["rankwatch"]) for r in (exact, late, unknown)] == [0, 3, None]
+    assert sorted(scoring.score_overall([exact, late, unknown], "rankwatch").step_lags) == [0, 3]

@@ -9,8 +9,9 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 WORLD_SIZE = 3  # a majority exists for every cross-rank rule; 3 ranks fit 2 cores
+WORLD_SIZES = (2, 3, 4)  # drawn per run when no world size is given (4 ranks is what 2 cores carry)
 STEPS = 50  # per job: >= 30 steps after the latest fault step (a leak or a slow rank needs ~15-25)
-FIRST_FAULT_STEP, LAST_FAULT_STEP = 4, 14
+FIRST_FAULT_STEP, LAST_FAULT_STEP = 0, 14  # from the first step (start-up) on
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,7 @@ class RunPlan:
     variant: str = ""
     world_size: int = WORLD_SIZE
     steps: int = STEPS
+    magnitude: str = ""  # the fault's size (FAULTBENCH_MAGNITUDE); empty: the injector's default
 
     @property
     def run_id(self) -> str:
@@ -98,18 +100,23 @@ class RunPlan:
         return {**asdict(self), "run_id": self.run_id, "expected": self.expected}
 
 
-def plan_run(shape: str, kind: str, seed: int, world_size: int = WORLD_SIZE, steps: int = STEPS) -> RunPlan:
+def plan_run(shape: str, kind: str, seed: int, world_size: Optional[int] = WORLD_SIZE,
+             steps: int = STEPS) -> RunPlan:
+    """``world_size`` None: drawn from WORLD_SIZES with the run's seed."""
+    rng = random.Random(f"{shape}/{kind}/{seed}")
+    if world_size is None:
+        world_size = rng.choice(WORLD_SIZES)
     if kind == HEALTHY:
         return RunPlan(shape, kind, seed, None, None, "", world_size, steps)
-    rng = random.Random(f"{shape}/{kind}/{seed}")
     steps = max(steps, FAULTS[kind].steps or 0) if kind in FAULTS else steps
     rank = rng.randrange(world_size)
     step = rng.randint(FIRST_FAULT_STEP, LAST_FAULT_STEP)
-    variant = rng.choice(["small", "large"]) if kind == "collective_mismatch" else ""
+    # Both sizes of the extra collective, alternating over shapes and seeds (a draw left one out).
+    variant = ("small", "large")[(seed + list(SHAPES).index(shape)) % 2] if kind == "collective_mismatch" else ""
     return RunPlan(shape, kind, seed, rank, step, variant, world_size, steps)
 
 
-def plan_all(shapes: list[str], kinds: list[str], seeds: list[int], world_size: int = WORLD_SIZE,
+def plan_all(shapes: list[str], kinds: list[str], seeds: list[int], world_size: Optional[int] = WORLD_SIZE,
              steps: int = STEPS, healthy_seeds: Optional[list[int]] = None) -> list[RunPlan]:
     """Every applicable (shape, kind, seed), seed-major so that a partial run
     already covers every cell once. Healthy runs may have seeds of their own

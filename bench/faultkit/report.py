@@ -131,8 +131,8 @@ def kinds_present(runs: list[dict]) -> list[str]:
 
 def kind_table(runs: list[dict]) -> list[str]:
     lines = ["| fault | expected verdict | tool | runs | recall [95 % CI] | culprit accuracy | "
-             "precision of that verdict kind | median s [95 % CI] | p95 s [95 % CI] |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "precision of that verdict kind | median s [95 % CI] | p95 s [95 % CI] | verdict step - fault step |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     tools = tools_present(runs)
     precision = {t: scoring.score_precision(runs, t) for t in tools}
     per_tool = {t: scoring.score_kinds(runs, t) for t in tools}
@@ -149,14 +149,29 @@ def kind_table(runs: list[dict]) -> list[str]:
                          f"{f' (+{s.not_injected} not injected)' if s.not_injected else ''} | "
                          f"{proportion(s.recall)} | {proportion(s.culprit_accuracy)} | "
                          f"{proportion(p.precision) if p else '– (no verdict of this kind)'} | "
-                         f"{seconds(s.median)} | {seconds(s.p95)} |")
+                         f"{seconds(s.median)} | {seconds(s.p95)} | {lags(s.step_lags)} |")
     for tool in tools:
         s = scoring.score_overall(runs, tool)
         p = precision[tool]["all"]
         lines.append(f"| **all faults** | | **{TOOLS[tool]}** | {s.runs} | {proportion(s.recall)} | "
                      f"{proportion(s.culprit_accuracy)} | {proportion(p.precision)} (every verdict) | "
-                     f"{seconds(s.median)} | {seconds(s.p95)} |")
+                     f"{seconds(s.median)} | {seconds(s.p95)} | {lags(s.step_lags)} |")
     return lines
+
+
+def _ranks(settings: dict, runs: list[dict]) -> str:
+    if settings.get("world_size"):
+        return str(settings["world_size"])
+    sizes = sorted({r.get("world_size") for r in runs if r.get("world_size")})
+    return f"{'–'.join(str(x) for x in (sizes[0], sizes[-1]))} (drawn per run)" if sizes else "?"
+
+
+def lags(values: list) -> str:
+    """Step lags as "exact in k/n; range a..b" ("–": the tool names no step)."""
+    if not values:
+        return "–"
+    exact = sum(1 for x in values if x == 0)
+    return f"exact {exact}/{len(values)}; {min(values)}..{max(values)}"
 
 
 def headline_table(runs: list[dict]) -> list[str]:
@@ -322,7 +337,7 @@ def markdown(runs: list[dict], settings: dict, info: dict, command: str, files: 
         f"transformers {info.get('transformers')}, accelerate {info.get('accelerate')}, Ray {info.get('ray')}; "
         f"rankwatch at `{info.get('rankwatch_commit')}`.",
         "",
-        f"Jobs: {settings['world_size']} ranks (gloo, CPU), {settings['steps']} optimizer steps, shapes "
+        f"Jobs: {_ranks(settings, runs)} ranks (gloo, CPU), {settings['steps']} optimizer steps, shapes "
         f"{', '.join(SHAPES[s].title for s in shapes)}; fault seeds {settings['seeds']}, healthy seeds "
         f"{settings.get('healthy_seeds', settings['seeds'])}; collective timeout "
         f"{settings['collective_timeout']:.0f} s on both sides; a run still going after "
@@ -382,7 +397,7 @@ def markdown(runs: list[dict], settings: dict, info: dict, command: str, files: 
 METHOD = """## How it works
 
 **Runs.** Each planned run (shape, fault kind, seed) draws its culprit rank
-and fault step (4–14) from the seed and is run twice with the same plan:
+and fault step (0–14), and without `--world-size` its number of ranks (2–4), from the seed and is run twice with the same plan:
 once as a user runs the job today (plain `torchrun`, or the Ray driver
 alone) and once watched by rankwatch (`rankwatch run` with the same torchrun
 options; Ray: `RAY_TRAIN_CALLBACKS=rankwatch.ray.RankwatchCallback`, no code

@@ -150,6 +150,18 @@ def time_to_verdict(run: dict, answer: dict) -> Optional[float]:
     return max(0.0, min(times) - injected["time"])
 
 
+def step_lag(run: dict, answer: dict) -> Optional[int]:
+    """The first correct verdict's step minus the step the injector recorded
+    (its rank's completed optimizer steps when the fault fired); None when
+    either is unknown (torchrun and fr_trace name no step)."""
+    injected = answer.get("injected") or {}
+    steps = [v["step"] for v in answer.get("verdicts") or []
+             if is_correct(v, run) and isinstance(v.get("step"), int)]
+    if not steps or not isinstance(injected.get("step"), int):
+        return None
+    return steps[0] - injected["step"]
+
+
 @dataclass
 class KindScore:
     """One tool on the runs of one fault kind."""
@@ -164,6 +176,7 @@ class KindScore:
     correct_verdicts: int = 0
     latencies: list = field(default_factory=list)
     misses: list = field(default_factory=list)  # run ids without a correct verdict
+    step_lags: list = field(default_factory=list)  # correct verdict's step - the injection's step
 
     @property
     def recall(self) -> Proportion:
@@ -220,6 +233,9 @@ def score_kinds(runs: list[dict], tool: str) -> dict[str, KindScore]:
             latency = time_to_verdict(run, answer)
             if latency is not None:
                 s.latencies.append(latency)
+            lag = step_lag(run, answer)
+            if lag is not None:
+                s.step_lags.append(lag)
         else:
             s.misses.append(run["run_id"])
         if any(names_culprit(v, run) for v in verdicts):
@@ -262,5 +278,6 @@ def score_overall(runs: list[dict], tool: str) -> KindScore:
         total.verdicts += s.verdicts
         total.correct_verdicts += s.correct_verdicts
         total.latencies += s.latencies
+        total.step_lags += s.step_lags
         total.misses += s.misses
     return total
