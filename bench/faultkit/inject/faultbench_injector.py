@@ -63,6 +63,12 @@ SEED = int(os.environ.get("FAULTBENCH_SEED") or 0)
 TRUTH = os.environ.get("FAULTBENCH_TRUTH", "")
 PG_TIMEOUT = float(os.environ.get("FAULTBENCH_PG_TIMEOUT") or 0)
 FR_DIR = os.environ.get("FAULTBENCH_FR_DIR", "")
+# The fault's size, for sensitivity sweeps (bench/sensitivity_jobs.py); empty: the defaults below.
+#   weight_divergence: a relative nudge of the largest tensor, p *= 1 + M * randn (or "nan"/"inf":
+#   that value in one of its elements); nan_loss / nan_grad with VARIANT "one": the value ("nan",
+#   "inf") in one element; config_divergence with VARIANT "lr": the culprit's learning rate x M;
+#   duplicate_data: the share M of each batch's rows repeated from the fault step's batch.
+MAGNITUDE = os.environ.get("FAULTBENCH_MAGNITUDE", "")
 
 LEAK_BYTES = 16 << 20  # per step, kept alive
 SPIKE_FACTOR = 1e4
@@ -131,7 +137,12 @@ def _after_optimizer_step(optimizer, args, kwargs) -> None:
     ending = S.steps  # the step that ends now
     if _culprit():
         if KIND == "weight_divergence" and ending == STEP:
-            _perturb(optimizer)
+            _nudge(optimizer) if MAGNITUDE else _perturb(optimizer)
+        elif KIND == "config_divergence" and VARIANT == "lr" and ending == STEP:
+            factor = float(MAGNITUDE or 2.0)
+            record({"lr_factor": factor})
+            for group in optimizer.param_groups:  # this rank's learning rate from now on
+                group["lr"] = group["lr"] * factor
         elif KIND == "collective_mismatch" and ending == STEP:
             _extra_collective()
         elif KIND == "leak" and ending >= STEP:
@@ -143,7 +154,7 @@ def _after_optimizer_step(optimizer, args, kwargs) -> None:
     if _culprit():
         if KIND == "broken_update" and S.steps == STEP:
             _break_zero_grad()
-        if S.steps == STEP and (KIND in FORWARD_KINDS or KIND in LEAF_KINDS):
+        if S.steps == STEP and (KIND in FORWARD_KINDS or KIND in LEAF_KINDS) and VARIANT != "lr":
             _arm_forward_hooks()
 
 
@@ -157,6 +168,33 @@ def _perturb(optimizer) -> None:
         for p in params:
             local = p.to_local() if hasattr(p, "to_local") else p  # an FSDP2 shard: its local part
             local.add_(PERTURB_SCALE * torch.randn(local.shape, generator=g, dtype=local.dtype))
+
+
+def _nudge(optimizer) -> None:
+    """The largest tensor the optimizer updates, nudged once on this replica:
+    relatively (``MAGNITUDE`` a number) or one element set to nan/inf."""
+    import torch
+
+    g = torch.Generator().manual_seed(SEED)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    target = max(params, key=lambda p: p.numel())
+    local = target.to_local() if hasattr(target, "to_local") else target
+    with torch.no_grad():
+        if MAGNITUDE in ("nan", "inf"):
+            index = int(torch.randint(local.numel(), (1,), generator=g))
+            local.view(-1)[index] = float(MAGNITUDE)
+            record({"elements": local.numel(), "changed": 1, "value": MAGNITUDE})
+            return
+        before = local.detach().clone()
+        local.mul_(1 + float(MAGNITUDE) * torch.randn(local.shape, generator=g, dtype=local.dtype))
+        changed = int((local != before).sum())
+    record({"elements": local.numel(), "changed": changed, "relative": float(MAGNITUDE)})
+
+
+def _one(tensor, value: float):
+    out = tensor.clone()
+    out.view(-1)[0] = value
+    return out
 
 
 def _extra_collective() -> None:
@@ -201,6 +239,9 @@ def _disarm() -> None:
 
 
 def _before_forward(module, args):
+    if not _culprit():  # armed before the rank was known (a step-0 fault): not this rank's
+        _disarm()
+        return None
     if S.forward_step == S.steps:
         return None  # only the first (outermost) module call of a step
     S.forward_step = S.steps
@@ -237,6 +278,9 @@ def _before_forward(module, args):
 def _after_forward(module, args, output):
     import torch
 
+    if not _culprit():  # armed before the rank was known (a step-0 fault): not this rank's
+        _disarm()
+        return None
     if S.leaf_done or module._modules or not isinstance(output, torch.Tensor):
         return None
     if not output.is_floating_point() or (KIND != "nan_loss" and not output.requires_grad):
@@ -244,6 +288,14 @@ def _after_forward(module, args, output):
     S.leaf_done = True
     _disarm()
     where = {"module": type(module).__name__}
+    if VARIANT == "one":  # one element of the first layer's output (or of its gradient)
+        value = float(MAGNITUDE or "nan")
+        record({**where, "elements": 1, "value": MAGNITUDE or "nan"})
+        if KIND == "nan_loss":
+            return _one(output, value)
+        if KIND == "nan_grad":
+            output.register_hook(lambda grad: _one(grad, value))
+            return None
     if KIND == "nan_loss":
         record(where)
         return output * float("nan")  # a NaN activation: the loss is NaN
@@ -280,6 +332,27 @@ def _clone(batch: Any) -> Any:
     return batch
 
 
+def _mixed(batch: Any, repeated: Any, share: float) -> Any:
+    """``batch`` with its first ``share`` of rows taken from ``repeated``."""
+    import math
+
+    import torch
+
+    if isinstance(batch, torch.Tensor):
+        if not isinstance(repeated, torch.Tensor) or batch.shape != repeated.shape or batch.dim() == 0:
+            return batch
+        out = batch.clone()
+        rows = math.ceil(share * batch.shape[0])
+        out[:rows] = repeated[:rows]
+        return out
+    if isinstance(batch, dict) and isinstance(repeated, dict):
+        return type(batch)({k: _mixed(v, repeated.get(k), share) for k, v in batch.items()})
+    if isinstance(batch, (list, tuple)) and isinstance(repeated, (list, tuple)) and len(batch) == len(repeated):
+        items = [_mixed(a, b, share) for a, b in zip(batch, repeated)]
+        return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
+    return batch
+
+
 def _patch_dataloader() -> None:
     from torch.utils.data import dataloader
 
@@ -293,9 +366,12 @@ def _patch_dataloader() -> None:
             _hang_forever()
         batch = original(self)
         if KIND == "duplicate_data" and S.steps >= STEP:
+            share = float(MAGNITUDE or 1.0)
             if S.repeat_batch is None:
-                record({"repeats": "the batch of this step, from now on"})
+                record({"repeats": "the batch of this step, from now on", "share": share})
                 S.repeat_batch = _clone(batch)
+            if share < 1.0:
+                return _mixed(batch, S.repeat_batch, share)  # part of each batch the same rows
             return _clone(S.repeat_batch)  # the same batch step after step
         return batch
 
@@ -381,7 +457,7 @@ def _on_torch_imported() -> None:
     register_optimizer_step_post_hook(_after_optimizer_step)
     if KIND in DATA_KINDS:
         _patch_dataloader()
-    if STEP == 0 and (KIND in FORWARD_KINDS or KIND in LEAF_KINDS):
+    if STEP == 0 and (KIND in FORWARD_KINDS or KIND in LEAF_KINDS) and VARIANT != "lr":
         _arm_forward_hooks()  # armed at once; the rank is only known at the first forward
 
 
