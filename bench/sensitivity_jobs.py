@@ -9,8 +9,8 @@ under `rankwatch run` with default settings, and puts one fault of a given
 size into one rank through faultbench's injector (FAULTBENCH_MAGNITUDE):
 
 - weight_divergence: the largest weight matrix nudged once, p *= 1 + M * randn,
-  M from 1e-8 (below float32's resolution: no element changes) to 1e-2;
-  expected `weight_divergence`;
+  M from 1e-8 to 1e-2 (at 1e-8 only the elements whose factor rounds away
+  from 1.0 in float32 change, by one ulp); expected `weight_divergence`;
 - non-finite in one element: NaN or Inf in one element of the first layer's
   output, of its gradient (before DDP's allreduce), or of the largest weight
   matrix; expected `nonfinite`;
@@ -119,8 +119,8 @@ def run_one(cond: Condition, seed: int, work: Path) -> dict:
 
 
 def table(rows: list[dict]) -> list[str]:
-    out = ["| fault | size | named [95 % CI] | of which the culprit alone | verdict step - fault step | "
-           "other verdicts |", "|---|---|---|---|---|---|"]
+    out = ["| fault | size | elements changed | named [95 % CI] | of which the culprit alone | "
+           "verdict step - fault step | other verdicts |", "|---|---|---|---|---|---|---|"]
     order: dict[tuple, list[dict]] = {}
     for row in rows:
         order.setdefault((row["family"], row["magnitude"]), []).append(row)
@@ -134,8 +134,11 @@ def table(rows: list[dict]) -> list[str]:
                          if not (r["named"] and v["kind"] == r["expected"])})
         exact = sum(r.get("exact", r["named"]) for r in injected)
         lag = ", ".join(str(x) for x in lags) if lags else "–"
-        out.append(f"| {family} | {magnitude or '–'} | {report_mod.proportion(p)} | {exact}/{hits} | {lag} | "
-                   f"{'; '.join(others) or 'none'} |")
+        changed = [(r.get("detail") or {}).get("changed") for r in injected]
+        changed_text = ", ".join(f"{c}/{(r.get('detail') or {}).get('elements')}" for c, r in zip(changed, injected)
+                                 if c is not None) or "–"
+        out.append(f"| {family} | {magnitude or '–'} | {changed_text} | {report_mod.proportion(p)} | "
+                   f"{exact}/{hits} | {lag} | {'; '.join(others) or 'none'} |")
     return out
 
 
@@ -191,7 +194,8 @@ def write_docs(rows: list[dict], command: str, seconds: float) -> None:
         *table(rows),
         "",
         "Sizes: weight_divergence, the relative nudge of the largest weight matrix (p *= 1 + M * randn, once; "
-        "at 1e-8 no float32 element changes, so nothing is there to name); nonfinite_*, one element set to NaN "
+        "the elements-changed column counts what float32 kept of it: at 1e-8 a few dozen elements move by one "
+        "ulp); nonfinite_*, one element set to NaN "
         "or Inf once (the first layer's output, its gradient before DDP's allreduce, or the largest weight "
         "matrix); learning_rate, the culprit's rate times M from the fault step on; duplicate_data, the share "
         "of each batch's rows repeated from the fault step's batch, step after step.",

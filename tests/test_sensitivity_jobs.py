@@ -39,4 +39,5 @@ def test_the_table_scores_by_exact_culprit():
              "verdicts": [{"kind": "weight_divergence", "ranks": [1], "step": 7}]}]
     (line,) = [x for x in sensitivity_jobs.table(rows) if x.startswith("| weight_divergence")]
     assert "1/2 = 0.50" in line and "| 1/1 | 2 |" in line and "weight_divergence [1]" in line
+    assert "| – |" in line  # no elements-changed detail in these rows
     assert sensitivity_jobs.smallest(rows)[0] == "- weight_divergence: none of the sizes tried"
