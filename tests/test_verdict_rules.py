@@ -287,6 +287,19 @@ def test_explain_away_nonfinite_absorbs_a_later_crash_on_every_rank():
     assert again[0].summary == out[0].summary
 
 
+def test_explain_away_a_nonfinite_step_announced_with_the_first_ranks_is_the_fuller_ones():
+    """Found by bench/sensitivity_jobs.py: a NaN that reached every rank at step
+    46 was announced with the three ranks whose records came first, then found
+    with all four; the report held both. The fuller one is the verdict."""
+    early = _verdict("nonfinite", [0, 1, 3], T, step=46)
+    full = _verdict("nonfinite", [0, 1, 2, 3], T + 0.01, step=46)
+    out = explain_away([full, early])
+    assert [(v.kind, v.ranks) for v in out] == [("nonfinite", [0, 1, 2, 3])]
+    assert out[0].evidence["consequences"][0]["ranks"] == [0, 1, 3]
+    other_step = _verdict("nonfinite", [0, 1], T + 5, step=50)  # not a subset at the same step: kept apart
+    assert len(explain_away([early, other_step])) == 2
+
+
 def test_explain_away_keeps_an_unrelated_crash_on_one_rank():
     nan = _verdict("nonfinite", [1], T, step=6)
     crash = _verdict("crash", [2], T + 30, step=40, summary="FileNotFoundError: checkpoint.pt")

@@ -145,8 +145,12 @@ def explains(cause: wire.Verdict, effect: wire.Verdict) -> bool:
     if effect.kind == "nonfinite":
         if cause.kind == "grad_spike":  # an exploded update overflows a step later
             return _later_step(cause, effect)
-        if cause.kind == "nonfinite":  # contamination of the other replicas by the average
-            return _later_step(cause, effect) and not same_ranks
+        if cause.kind == "nonfinite":
+            # Contamination of the other replicas by the average; or the same
+            # step again once more ranks' records arrived (announced with the
+            # first ranks to report, then found with all of them).
+            return ((_later_step(cause, effect) and not same_ranks)
+                    or (cause.step == effect.step and set(effect.ranks) < set(cause.ranks)))
         return False
     if effect.kind in ("weight_divergence", "grad_spike"):
         # NaN weights never compare equal, and their norms are no history to
