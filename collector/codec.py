@@ -217,15 +217,10 @@ def _fingerprints(value: Any) -> list:
                 if type(n) is not str or len(n) > _MAX_NAME or not n.isprintable():
                     raise _Slow
         sums = fp.get("sums")
-        if sums is not None and not _checksums(sums, len(norms)):
+        if sums is not None and not wire.checksums_ok(sums, len(norms)):
             raise _Slow
         fp["norms"] = [float(v) for v in norms]
     return value
-
-
-def _checksums(sums: Any, count: int) -> bool:
-    return (type(sums) is list and len(sums) == count
-            and all(type(v) is int and 0 <= v <= 0xFFFFFFFF for v in sums))
 
 
 def _marks(value: Any) -> list:

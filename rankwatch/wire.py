@@ -664,6 +664,11 @@ def _rank_key(value, path):
     return value
 
 
+def checksums_ok(sums, count: int) -> bool:
+    """A fingerprint's `sums`: one unsigned 32-bit checksum per norm (both roads use this)."""
+    return type(sums) is list and len(sums) == count and all(type(v) is int and 0 <= v <= 0xFFFFFFFF for v in sums)
+
+
 def _fingerprints(value, path):
     """Parameter fingerprints (free-form in the dataclass): step, names, norms,
     and optionally one bit checksum per norm (`sums`, agent/checks/fingerprints.py)."""
@@ -683,8 +688,7 @@ def _fingerprints(value, path):
         if names and len(names) != len(norms):
             raise WireError(f"{where}: {len(names)} names for {len(norms)} norms")
         sums = fp.get("sums")
-        if sums is not None and not (isinstance(sums, list) and len(sums) == len(norms) and all(
-                type(v) is int and 0 <= v <= 0xFFFFFFFF for v in sums)):
+        if sums is not None and not checksums_ok(sums, len(norms)):
             raise WireError(f"{where}.sums: expected one 32-bit checksum per norm")
         fp["norms"] = floats  # "NaN" strings back to floats: the analysis compares them
     return value

@@ -89,12 +89,8 @@ def _checksum_pieces(tensors: list[torch.Tensor]) -> torch.Tensor:
             # Summed in its own width (wrapping): a wider accumulator would make
             # ATen copy the whole tensor into that type first.
             sums.append(t.view(as_int).sum(dtype=as_int))
-    dtypes = {s.dtype for s in sums}
-    if len(dtypes) == 1:
-        stacked = torch.stack(sums).to(torch.int64)
-    else:
-        stacked = torch.stack([s.to(torch.int64) for s in sums])
-    return stacked.view(torch.int16)
+    # stack promotes mixed int16/int32/int64 sums to the widest, keeping every value.
+    return torch.stack(sums).to(torch.int64).view(torch.int16)
 
 
 def read_digest(values: list[float], count: int) -> tuple[list[float], list[int]]:
