@@ -76,6 +76,26 @@ def test_recall_needs_the_right_kind_and_exactly_the_culprit():
     assert s.recall.value == pytest.approx(0.2)
 
 
+def test_two_replicas_named_together_count_only_where_no_tool_can_say_more():
+    """A difference between two replicas is the same whichever rank changed:
+    naming both is right for weight and config divergence on two ranks, but
+    never for a per-rank kind or on more ranks, and never for culprit accuracy."""
+    def two(kind, world, ranks):
+        r = run(kind, 1, verdicts=[v(plan.FAULTS[kind].expected, ranks, 110.0)])
+        r["world_size"] = world
+        return r, r["tools"]["rankwatch"]["verdicts"][0]
+
+    for kind in ("weight_divergence", "config_divergence"):
+        assert scoring.is_correct(*reversed(two(kind, 2, [0, 1])))
+        assert not scoring.is_correct(*reversed(two(kind, 3, [0, 1])))
+        assert not scoring.is_correct(*reversed(two(kind, 2, [0])))
+        assert not scoring.names_culprit(*reversed(two(kind, 2, [0, 1])))
+    assert not scoring.is_correct(*reversed(two("hang", 2, [0, 1])))
+    r, _ = two("weight_divergence", 2, [0, 1])
+    s = scoring.score_kinds([r], "rankwatch")["weight_divergence"]
+    assert (s.hits, s.culprit_hits) == (1, 0)
+
+
 def test_early_exit_is_scored_against_its_expected_kind():
     r = run("early_exit", 1, verdicts=[v("hang", [1], 120.0)])
     assert scoring.is_correct(r["tools"]["rankwatch"]["verdicts"][0], r)

@@ -153,6 +153,7 @@ def test_a_zero_mean_nudge_of_a_large_embedding_is_named(tmp_path, nudge):
         assert job.report["verdicts"] == [], job.report["verdicts"]
         return
     divergence = job.only("weight_divergence")
-    assert divergence["ranks"] == [1] and divergence["step"] >= 10, divergence
+    # Two ranks, no majority: both are named (either could have changed).
+    assert divergence["ranks"] == [0, 1] and divergence["step"] >= 10, divergence
     assert divergence["evidence"]["bits_only_tensors"] == ["param:0.weight"], divergence["evidence"]
     assert len(job.verdicts()) == 1, job.verdicts()

@@ -53,4 +53,4 @@ def test_a_rank_that_sampled_one_model_out_is_not_a_divergence():
 
 def test_a_model_that_really_diverges_is_still_named():
     found = _verdicts(sampled_out=False, diverged=True)
-    assert [(v.kind, v.ranks, v.step) for v in found] == [("weight_divergence", [1], 5)], found
+    assert [(v.kind, v.ranks, v.step) for v in found] == [("weight_divergence", [0, 1], 5)], found

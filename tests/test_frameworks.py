@@ -200,7 +200,8 @@ def test_fault_from_an_optimizer_hook_names_its_rank(tmp_path, name, kind, rank,
         framework = Framework(framework.script, 24, framework.needs_text, framework.env)
     job = _watched(tmp_path, framework, fault={"kind": kind, "rank": rank, "step": step})
     verdict = job.only(expected)
-    assert verdict["ranks"] == [rank], job.report
+    # Two replicas that differ, no majority: both are named (either could have changed).
+    assert verdict["ranks"] == ([0, 1] if expected == "weight_divergence" else [rank]), job.report
     assert verdict["step"] >= step
     assert len(job.verdicts()) == 1, f"one fault, one verdict: {json.dumps(job.verdicts(), indent=1)[:3000]}"
     if kind == "sigkill":

@@ -23,7 +23,8 @@ def test_a_small_nudge_and_a_small_learning_rate_change_are_named(tmp_path):
     nudge = sensitivity_jobs.run_one(_condition("weight_divergence", "1e-4"), 0, tmp_path)
     assert nudge["injected"] and nudge["detail"]["changed"] > 0, nudge
     assert nudge["named"], nudge
-    assert nudge["verdicts"] == [{"kind": "weight_divergence", "ranks": [nudge["rank"]],
+    assert nudge["world_size"] == 2  # seed 0: two replicas, no majority, both named
+    assert nudge["verdicts"] == [{"kind": "weight_divergence", "ranks": [0, 1],
                                   "step": nudge["verdict_step"]}], nudge
     lr = sensitivity_jobs.run_one(_condition("learning_rate", "1.01"), 1, tmp_path)  # seed 1: 3 ranks
     assert lr["world_size"] == 3 and lr["injected"] and lr["detail"]["lr_factor"] == 1.01, lr

@@ -116,6 +116,23 @@ def test_no_majority_names_every_rank_and_uneven_loaders_name_the_short_ones():
     assert detect(analyses.config_divergence, build(4, 6, events=joined), 4) == []
 
 
+@pytest.mark.parametrize("culprit", [0, 1])
+def test_two_ranks_name_the_one_that_departed_from_what_both_had(culprit):
+    """No majority with two ranks: the rank whose mode (or learning rate)
+    changed from the value both last agreed on is named, not both."""
+    events = {(r, 0): [facts(0, BASE)] for r in range(2)}
+    events[(culprit, 4)] = [facts(4, {"mode": "eval"}, {"mode": "train.py:61"})]
+    (v,) = detect(analyses.config_divergence, build(2, 10, events=events), 2, batches=3)
+    assert (v.ranks, v.step) == ([culprit], 4), v.summary
+    assert f"from rank {1 - culprit} from step 4" in v.summary and "train.py:61" in v.summary
+
+    def record(r, s):
+        lr = 0.1 * (0.5 if (r == culprit and s >= 3) else 1.0)
+        return rec(s, optim=7 if lr == 0.1 else 8, lr=lr)
+    (v,) = detect(analyses.config_divergence, build(2, 8, record=record, events=events), 2, batches=3)
+    assert (v.ranks, v.step) == ([culprit], 3) and "learning rate" in v.summary
+
+
 def test_only_ranks_of_one_data_parallel_group_are_compared():
     """Two DDP groups may train differently by design (two models, pipeline stages)."""
     events = {(r, 0): [facts(0, {**BASE, "replicas": "ddp:2:a" if r < 2 else "ddp:2:b",
@@ -232,6 +249,33 @@ def test_replicas_that_started_apart_are_named_all_without_a_majority():
     one = {(r, 0): [_start(r, [1.0 if r != 2 else 1.5, 0.5], [3.0, 0.2])] for r in range(3)}
     (v,) = detect(analyses.weight_divergence, build(3, 4, prints=one), 3)
     assert v.ranks == [2] and v.evidence["cause"] == "unsynced_start"
+
+
+def _later(step, norms_of):
+    return {"step": step, "names": ["param:w", "param:b"], "norms": norms_of}
+
+
+@pytest.mark.parametrize("changed", [0, 1])
+def test_two_replicas_that_differ_are_both_named(changed):
+    """Two ranks: the difference is the same whichever rank changed, so both
+    are named (the old rule took rank 0 as the reference and blamed rank 1
+    when rank 0 had changed)."""
+    prints = {(r, 5): [_later(5, [2.0 + (r == changed), 1.0])] for r in range(2)}
+    (v,) = detect(analyses.weight_divergence, build(2, 8, prints=prints), 2)
+    assert (v.ranks, v.step, v.evidence["reference_ranks"]) == ([0, 1], 5, [])
+    assert "No majority" in v.summary and "each other" in v.summary
+
+
+def test_a_tie_waits_for_a_step_with_every_replica():
+    """Three ranks, one sampled a fingerprint step out: a 1-1 tie decides
+    nothing; the next step with all three has a majority."""
+    prints = {(0, 5): [_later(5, [2.0, 1.0])], (1, 5): [_later(5, [3.0, 1.0])]}
+    prints.update({(r, 9): [_later(9, [2.0 + (r == 1), 1.0])] for r in range(3)})
+    (v,) = detect(analyses.weight_divergence, build(3, 12, prints=prints), 3)
+    assert (v.ranks, v.step, v.evidence["reference_ranks"]) == ([1], 9, [0, 2])
+    tie = {(r, 5): [_later(5, [2.0 + (r >= 2), 1.0])] for r in range(4)}  # 2 against 2, every rank
+    (v,) = detect(analyses.weight_divergence, build(4, 8, prints=tie), 4)
+    assert v.ranks == [0, 1, 2, 3] and "No majority" in v.summary
 
 
 def test_ranks_whose_gradients_differ_are_not_replicas():

@@ -12,7 +12,10 @@ never fired (the job ended first) is left out and counted as not injected.
 
 Definitions (per tool):
 - a verdict is *correct* when its kind is the run's expected kind and its
-  ranks are exactly the culprit; every verdict on a healthy run is wrong;
+  ranks are exactly the culprit, or, for a fault that is a difference between
+  replicas (SYMMETRIC) in a two-rank run, both ranks: the difference is the
+  same whichever rank changed, so no tool can say more (culprit accuracy still
+  asks for the culprit alone); every verdict on a healthy run is wrong;
 - recall (per fault kind): runs with at least one correct verdict / runs;
 - culprit accuracy: runs with a verdict naming exactly the culprit, any kind;
 - precision (per verdict kind, and over all verdicts): correct verdicts /
@@ -113,10 +116,18 @@ def quantile(values: Iterable[float], q: float, confidence: float = 0.95) -> Qua
 
 # ------------------------------------------------------------------ judging --
 
+# Verdict kinds whose evidence is a difference between replicas: with two
+# ranks there is no majority to say which one departed.
+SYMMETRIC = ("weight_divergence", "config_divergence")
+
+
 def is_correct(verdict: dict, run: dict) -> bool:
-    if run["kind"] == HEALTHY or run.get("rank") is None:
+    if run["kind"] == HEALTHY or run.get("rank") is None or verdict.get("kind") != run.get("expected"):
         return False
-    return verdict.get("kind") == run.get("expected") and sorted(verdict.get("ranks") or []) == [run["rank"]]
+    ranks = sorted(verdict.get("ranks") or [])
+    if ranks == [run["rank"]]:
+        return True
+    return run.get("expected") in SYMMETRIC and run.get("world_size") == 2 and ranks == [0, 1]
 
 
 def names_culprit(verdict: dict, run: dict) -> bool:

@@ -14,7 +14,11 @@ data-parallel group (the ranks their DDP averages over; without DDP, all
 ranks, and the parameter facts only when the start fingerprints showed the
 ranks are replicas). Facts are compared only when some rank's facts
 changed; the digest on every step (O(ranks)). The culprits are the ranks
-that differ from the majority, every rank compared if there is none; for
+that differ from the majority. With none (two ranks), the ranks whose value
+departs from the one every rank of the group last agreed on (a scheduler
+stepped on rank 0 only, a model.eval() left on one rank: the rank that
+changed); with no such history (a difference from the first step), every
+rank compared. For
 batches per epoch (no `Join` in use), the ranks with fewer batches: they
 leave the epoch first and the others wait for them (the hang that follows
 is this verdict's consequence). The loss scale, read late from a GPU, must
@@ -89,6 +93,9 @@ class Tracker:
         self._slow: Optional[tuple[int, dict]] = None  # a difference in slow facts only, at one step
         # Parameters differing without DDP before the start fingerprints said whether the ranks are replicas.
         self._deferred: Optional[tuple[int, dict, dict]] = None
+        # (group, fact) -> the value every rank of the group last agreed on: the
+        # run's own history, which breaks a tie between two ranks.
+        self.agreed: dict[tuple[str, str], str] = {}
 
     def on_event(self, run: RunState, rank: int, event: wire.Event) -> None:
         self.events.add(rank, event)
@@ -121,12 +128,17 @@ class Tracker:
         found: dict[str, dict[int, str]] = {}
         for ranks in groups:
             optim = {r: records[r].optim_fp for r in ranks if records[r].optim_fp is not None}
+            lrs = {r: records[r].lr for r in optim if records[r].lr is not None}
             if len(set(optim.values())) > 1:
-                lrs = {r: records[r].lr for r in optim if records[r].lr is not None}
                 if len(lrs) == len(optim) and len(set(lrs.values())) > 1:
                     found["lr"] = {r: f"{v:.6g}" for r, v in lrs.items()}
                 else:
                     found[OPTIMIZER] = {r: f"#{v:013x}" for r, v in optim.items()}
+            elif len(optim) >= 2:
+                group = self._group_key(ranks[0])
+                self.agreed[(group, OPTIMIZER)] = f"#{next(iter(optim.values())):013x}"
+                if len(lrs) == len(optim):
+                    self.agreed[(group, "lr")] = f"{next(iter(lrs.values())):.6g}"
         if self.changed or self._slow is not None:
             # Facts as of this step: every rank that has reached it (at scale a
             # sealed step holds only the ranks whose sampled records include it).
@@ -148,14 +160,25 @@ class Tracker:
         if found:
             self._finding(run, step, records, found)
 
+    def _group_key(self, rank: int) -> str:
+        facts = self.facts.get(rank)
+        return facts.get("replicas", "none") if facts else "none"
+
     def _groups(self, ranks) -> list[list[int]]:
         """Ranks of one data-parallel group (the DDP's process group) together."""
         groups: dict[str, list[int]] = {}
         for rank in sorted(ranks):
-            facts = self.facts.get(rank)
-            key = facts.get("replicas", "none") if facts else "none"
-            groups.setdefault(key, []).append(rank)
+            groups.setdefault(self._group_key(rank), []).append(rank)
         return [ranks for ranks in groups.values() if len(ranks) >= 2]
+
+    def _departed(self, key: str, values: dict[int, str]) -> list[int]:
+        """No majority: the ranks whose value is not the one their group last
+        agreed on, when the others still hold it; none without that history."""
+        agreed = self.agreed.get((self._group_key(min(values)), key))
+        if agreed is None:
+            return []
+        departed = sorted(r for r, v in values.items() if v != agreed)
+        return departed if 0 < len(departed) < len(values) else []
 
     def _compare(self, ranks: list[int]) -> dict[str, dict[int, str]]:
         with_facts = [r for r in ranks if r in self.facts]
@@ -171,6 +194,8 @@ class Tracker:
             if key in NOT_COMPARED or (key == "batches_per_epoch" and joined):
                 continue
             values = {r: self.facts[r][key] for r in with_facts if key in self.facts[r]}
+            if len(values) >= 2 and len(set(values.values())) == 1 and len(values) == len(with_facts):
+                self.agreed[(self._group_key(with_facts[0]), key)] = next(iter(values.values()))
             if len(values) < 2 or len(set(values.values())) <= 1:
                 continue
             if key == "params" and no_ddp and not self.replicas:
@@ -195,7 +220,7 @@ class Tracker:
             else:
                 common, odd = majority(values)
                 if common is None:
-                    odd = sorted(values)
+                    odd = self._departed(key, values) or sorted(values)
             culprits.update(odd)
             per_key[key] = odd
         ranks = sorted(culprits)
@@ -257,8 +282,9 @@ def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
     if ordered_keys[0] == "batches_per_epoch":
         summary = " ".join(sentences)
     else:
+        others = sorted(set(found[ordered_keys[0]]) - set(ranks))
         summary = (f"{ranks_text(ranks).capitalize()} {verb(ranks, 'trains', 'train')} differently from "
-                   f"{'the other ranks' if len(ranks) < len(found[ordered_keys[0]]) else 'each other'} from step "
+                   f"{(ranks_text(others) if len(others) <= 8 else 'the other ranks') if others else 'each other'} from step "
                    f"{step} ({causes}). " + " ".join(sentences))
     evidence: dict[str, Any] = {
         "differing": ordered_keys,

@@ -1,11 +1,15 @@
 """`weight_divergence`: replicas that must hold identical parameters do not.
 
 Compares the per-tensor fingerprints that every rank sends out of band for
-the same step. The culprits are the ranks that differ from the majority;
-with no majority (two ranks), the ranks that differ from rank 0, whose
-weights DDP itself broadcasts as the reference; a tie without rank 0 (it
-sampled that step out) decides nothing. Parameters only: buffers
-(BatchNorm running statistics) differ legitimately between DDP's broadcasts.
+the same step. The culprits are the ranks that differ from the majority.
+With no majority (two ranks, or groups of equal size) every rank compared is
+named: the fingerprints show that the replicas differ, not which one
+changed. Every rank applies the same averaged update, so a change on either
+rank leaves the same difference, and rank 0 is no more the reference after
+DDP's first broadcast than any other rank. A tie at a step some rank sampled
+out decides nothing (a later step with every rank may have a majority).
+Parameters only: buffers (BatchNorm running statistics) differ legitimately
+between DDP's broadcasts.
 
 Two ranks agree on a tensor when their norms are within RTOL of each other
 and, where both agents sent them, their bit checksums are equal
@@ -135,9 +139,7 @@ class Tracker:
         if key not in self._selection:
             self._selection[key] = _compared(names)
         keep = self._selection[key]
-        sums = fp.get("sums")
-        if not isinstance(sums, list) or len(sums) != len(norms):
-            sums = None
+        sums = _sums(fp)
         if keep is None:
             return tuple(norms), (tuple(sums) if sums is not None else None)
         return (tuple(norms[i] for i in keep if i < len(norms)),
@@ -172,15 +174,12 @@ class Tracker:
         at_start = start and all(fp.get("at") == "start" for fp in prints.values())
         if len(ordered[0]) > len(ordered[1]):
             reference = ordered[0]
-        elif at_start:
-            reference = []  # replicas that started apart, no majority: every rank is named
+        elif at_start or len(prints) >= _replicas(run):
+            reference = []  # no majority among every replica: every rank is named
         else:
-            reference = next((g for g in ordered if 0 in g), None)
-            if reference is None:
-                # A tie without rank 0 (whose weights DDP broadcasts): a rank that
-                # sampled this step out would be the tie-breaker. Undecidable here;
-                # a step with a majority or with rank 0 decides.
-                return
+            # A tie with a rank missing (it sampled this step out): that rank
+            # would break it. A later step with every rank decides.
+            return
         culprits = sorted(r for g in ordered if g is not reference for r in g)
         ref, odd = prints[(reference or ordered[0])[0]], prints[(ordered[1] if not reference else culprits)[0]]
         names = list(ref.get("names") or [])
@@ -206,6 +205,11 @@ class Tracker:
             "first_at": min(ended) if ended else None, "at_start": at_start, "bits_only": bits_only,
             "norms": {str(r): {n: v for n, v in zip(names, prints[r]["norms"]) if n in shown} for r in sample},
         }
+
+
+def _replicas(run: RunState) -> int:
+    """How many ranks the run has (the launcher's world size, else the ranks seen)."""
+    return max(run.world_size, len(run.ranks))
 
 
 def _agree(a: tuple[tuple, Optional[tuple]], b: tuple[tuple, Optional[tuple]]) -> bool:
@@ -260,9 +264,12 @@ def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
         if bits_only and len(bits_only) == len(differing):
             small = (f" Their norms agree within {RTOL:g}: the difference is small, seen in the tensors' bit "
                      f"checksums.")
+        against = ranks_text(reference) if reference else "each other"
+        undecided = ("" if reference else
+                     " No majority: the fingerprints show that the replicas differ, not which one changed.")
         summary = (f"{ranks_text(culprits).capitalize()} {verb(culprits, 'holds', 'hold')} different weights from "
-                   f"{ranks_text(reference)} after step {step}: {len(differing)} tensor(s) differ, first "
-                   f"{', '.join(differing[:3])}.{small} The replicas no longer train the same model (a missed "
+                   f"{against} after step {step}: {len(differing)} tensor(s) differ, first "
+                   f"{', '.join(differing[:3])}.{small}{undecided} The replicas no longer train the same model (a missed "
                    f"broadcast, a rank-local update, or silent data corruption); DDP averages gradients, never "
                    f"weights, so the difference stays.")
     first = finding["first_at"] if finding["first_at"] is not None else now
