@@ -83,6 +83,50 @@ def test_rank_leaving_the_loop_for_a_barrier(tmp_path, train_script):
     assert all(v["ranks"] == [3] for v in job.verdicts()), "no victim is blamed"
 
 
+_FIRST_BATCH_NEVER_COMES = """
+import datetime, os, threading
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=8))
+rank = dist.get_rank()
+
+class Data(Dataset):
+    def __len__(self):
+        return 64
+    def __getitem__(self, i):
+        if rank == 0:
+            threading.Event().wait()  # a read that never returns, before the first batch
+        return torch.randn(8)
+
+model = DDP(torch.nn.Linear(8, 8))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for batch in DataLoader(Data(), batch_size=4):
+    opt.zero_grad()
+    model(batch).sum().backward()
+    opt.step()
+del model
+dist.destroy_process_group()
+"""
+
+
+def test_a_rank_stuck_before_its_first_batch_is_named_when_the_collective_timeout_ends_the_job(tmp_path):
+    """The collective timeout (8 s) ends the job before start-up's hang
+    allowance: rank 1 fails in the gradient allreduce rank 0 never joined. It
+    is a victim; rank 0, stuck in its data, is the culprit (a `hang`). Before,
+    the first timeout read as a crash of rank 1 (with FSDP2's Python-API
+    all-gather: as a collective only rank 1 issued)."""
+    script = tmp_path / "first_batch.py"
+    script.write_text(_FIRST_BATCH_NEVER_COMES)
+    job = run_job(tmp_path, ["--nproc-per-node", "2", str(script)], timeout=240)
+    assert job.exit_code != 0
+    hang = job.only("hang")
+    assert (hang["ranks"], hang["step"]) == ([0], 0), hang
+    assert "never reached" in hang["summary"] and "timeout" in hang["summary"], hang["summary"]
+    assert [c["ranks"] for c in hang["evidence"]["consequences"]] == [[1]], hang["evidence"]
+    assert len(job.verdicts()) == 1, job.verdicts()
+
+
 def test_exception_on_one_rank(tmp_path, train_script):
     job = run_job(tmp_path, ["--nproc-per-node", "4", str(train_script), "--steps", "30",
                              "--fault", "crash", "--fault-rank", "1", "--fault-step", "5"])

@@ -226,9 +226,13 @@ def _from_dying_call(run: RunState, now: float) -> Optional[wire.Verdict]:
     that its peers were not in."""
     from .crash import failures
 
+    from .hang import timed_out_waiting
+
     found = failures(run)
     if not found or any(f.kind == "exception" and not f.peer_caused and not f.collective_error for f in found):
         return None  # nobody died, or an independent exception explains it
+    if timed_out_waiting(run) is not None:
+        return None  # peers that timed out waiting for a rank that never came: hang's waited_out
     groups: dict[Optional[str], list[int]] = {}
     calls: dict[int, tuple[str, str, int]] = {}
     for state in run.notable_ranks():  # the others have no evidence: nothing known

@@ -18,6 +18,7 @@ from rankwatch import wire
 
 from ..state import RankState, RunState
 from .common import iso, located, ranks_text, verdict, where
+from .hang import timed_out_waiting
 
 # Failures that are the consequence of a peer's failure (or of a collective
 # mismatch, which collective_mismatch explains).
@@ -126,6 +127,14 @@ def one_line(cause: str) -> str:
     return lines[0][:300]
 
 
+def collective_timeout(failure: Failure) -> bool:
+    """The failure is the collective timeout: the rank waited for peers
+    (gloo's "Timed out waiting ... ms", NCCL's watchdog) until torch gave up."""
+    return (failure.kind == "exception" and not failure.collective_error and bool(TIMEOUT.search(failure.cause))
+            and bool(DISTRIBUTED.search(failure.cause + "\n" + failure.traceback[-2000:]))
+            and not PEER_FAILURE.search(failure.cause))
+
+
 def _peer_caused(text: str, traceback: str) -> bool:
     if _is_mismatch(text):
         return False
@@ -177,6 +186,8 @@ def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
             return []
         if _left_cleanly_before(run, found):
             return []  # hang's left_the_loop names the rank that exited early
+        if timed_out_waiting(run) is not None:
+            return []  # hang's waited_out names the rank that never came
         causes = found[:1]  # every failure looks like a consequence: name the first
     first = causes[0]
     culprit_state = run.ranks[first.rank]

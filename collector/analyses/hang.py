@@ -24,6 +24,12 @@ A rank that leaves the loop and exits cleanly while its peers are inside a
 collective with it is found without an incident too (`left_the_loop`): gloo
 fails the peers at once ("Connection closed by peer"), so no stall ever
 reaches the hang timeout. The peers' failures are its consequences.
+
+So is a stall that the collective timeout ended before the hang timeout
+(`waited_out`: a stall at start-up, whose allowance is longer, or a short
+--pg-timeout): ranks failed with the timeout inside a collective that a live
+rank had not issued. That rank is the culprit; the timeouts (which alone
+read as a crash of the first rank to time out) are consequences.
 """
 
 from __future__ import annotations
@@ -50,6 +56,10 @@ def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
             found = diagnose(run, incident, now, final)
             if found is not None:
                 out.append(found)
+    if not out:
+        timed_out = waited_out(run, now)
+        if timed_out is not None:
+            out.append(timed_out)
     return out
 
 
@@ -514,6 +524,100 @@ def left_the_loop(run: RunState, now: float) -> Optional[wire.Verdict]:
                           "summary": v.cause[:500], "exit_code": v.exit_code} for v in victims],
     }
     return verdict("hang", culprits, step, state.exited_at, max(now, state.exited_at or now), summary, details)
+
+
+DEFAULT_PG = "0"  # torch's default process group: every rank is a member
+
+
+def timed_out_waiting(run: RunState) -> Optional[tuple[list[int], list, dict[str, int]]]:
+    """(culprits, the timed-out failures, per process group the collective
+    they waited in) when ranks failed with the collective timeout waiting for
+    a collective that live ranks had not issued; None otherwise (an
+    independent failure, a mismatch, a rank that left the loop, or no rank
+    behind). Shared by `crash` and `collective_mismatch`, which then say nothing."""
+    from .crash import LEFT_SLACK_S, collective_timeout, failures
+
+    found = failures(run)
+    if not found or run.interrupted or run.aborted:
+        return None
+    if any(f.collective_error or (not f.peer_caused and not collective_timeout(f)) for f in found):
+        return None  # a mismatch, or a failure of its own: collective_mismatch / crash name it
+    waiters = [f for f in found if collective_timeout(f)]
+    if not waiters:
+        return None
+    first = min(f.at for f in waiters)
+    if any(s.exit_code == 0 and s.exited_at is not None and s.exited_at <= first + LEFT_SLACK_S
+           for s in run.notable_ranks()):
+        return None  # a rank left the loop: left_the_loop
+    waiting: dict[str, int] = {}
+    for f in waiters:
+        for pg, seq in (_enqueued(run, f.rank, None) or {}).items():
+            waiting[pg] = max(waiting.get(pg, -1), seq)
+    timed_out = {f.rank for f in waiters}
+    behind = []
+    for rank, state in run.ranks.items():
+        if rank in timed_out or (state.exited_at is not None and state.exited_at < first - LEFT_SLACK_S):
+            continue  # a waiter, or gone before the wait ended (its own failure would show above)
+        mine = _enqueued(run, rank, None) or {}
+        # A rank with no count in a group is behind only in the default group
+        # (in another it may not be a member).
+        if any(mine.get(pg, -1) < top and (pg in mine or pg == DEFAULT_PG) for pg, top in waiting.items()):
+            behind.append(rank)
+    if not behind:
+        return None
+    from .collective_mismatch import _from_flight_recorder, _from_marks
+
+    if _from_flight_recorder(run, time.time()) or _from_marks(run, time.time()):
+        return None  # the collectives no longer pair up: a rank "behind" is one short, collective_mismatch's
+    return sorted(behind), waiters, waiting
+
+
+def waited_out(run: RunState, now: float) -> Optional[wire.Verdict]:
+    """The `hang` verdict of `timed_out_waiting`."""
+    from .collective_mismatch import _in_flight
+
+    found = timed_out_waiting(run)
+    if found is None:
+        return None
+    culprits, waiters, waiting = found
+    waiter_ranks = sorted({f.rank for f in waiters})
+    calls = {f.rank: _in_flight(run.ranks[f.rank])[1] for f in waiters}
+    entered = [t for t in (_entered_at(run.ranks[r]) for r in waiter_ranks) if t is not None]
+    call = next((c for c in calls.values() if c), None)
+    pg, seq = max(waiting.items(), key=lambda kv: kv[1])
+    what = f"collective #{seq} of process group {pg}" + (f" ({call[0]} at {call[1]})" if call else "")
+    first = waiters[0]
+    state = run.ranks[culprits[0]]
+    stack = next((ev.main_stack for ev in state.evidence.values() if ev.main_stack), [])
+    at = f", at {where(stack)}" if stack else ""
+    summary = (f"{ranks_text(culprits).capitalize()} never reached {what}, which {ranks_text(waiter_ranks)} "
+               f"waited in until the collective timeout ended {verb(waiter_ranks, 'it', 'them')} "
+               f"({_peer_error(first.cause)}): {verb(culprits, 'it was', 'they were')} at step {state.step}, "
+               f"phase {state.phase}{at}. The timeouts follow from it. A rank that does not come to a "
+               f"collective: its data loading, a lock, or a section only it runs (a download, a checkpoint, an "
+               f"evaluation) that takes longer than the timeout.")
+    details: dict[str, Any] = {
+        "reason": "never reached the collective its peers waited in until the collective timeout",
+        "waiting_at": waiting,
+        "ranks": {str(r): {"step": run.ranks[r].step, "phase": run.ranks[r].phase,
+                           "enqueued": _enqueued(run, r, None) or {}, "exit_code": run.ranks[r].exit_code}
+                  for r in _listed(run, culprits + waiter_ranks)},
+        "calls": {str(r): {"op": c[0], "callsite": c[1], "numel": c[2]} for r, c in calls.items() if c},
+        "located": located(run, culprits),
+        "consequences": [{"kind": "crash", "ranks": [f.rank], "step": f.step, "first_seen_at": iso(f.at),
+                          "summary": f.cause[:500], "exit_code": f.exit_code} for f in waiters],
+    }
+    started = min(entered) if entered else first.at
+    return verdict("hang", culprits, state.step, started, max(now, first.at), summary, details)
+
+
+def _entered_at(state) -> Optional[float]:
+    """When the rank entered the collective it died in (its black box, read by the supervisor)."""
+    for ev in state.evidence.values():
+        call = ev.progress.get("collective") if isinstance(ev.progress, dict) else None
+        if isinstance(call, dict) and isinstance(call.get("entered_at"), (int, float)):
+            return float(call["entered_at"])
+    return None
 
 
 def _uneven_steps_text(run: RunState, culprits: list[int], waiting: list[int]) -> str:
