@@ -117,6 +117,9 @@ def _brief(run: dict, tool: str) -> str:
 
 
 def write_outputs(runs: list[dict], out: Path, settings: dict, command: str, docs: bool) -> list[Path]:
+    if docs and len(report.commits(runs)) != 1:
+        raise SystemExit(f"faultbench: the runs come from several commits ({', '.join(report.commits(runs))}); "
+                         f"a published table is one run of one commit: run them all again at one commit")
     info = report.machine()
     written = []
     jsonl = out / "runs.jsonl"
@@ -150,6 +153,19 @@ def update_readme(runs: list[dict], command: str) -> None:
     README.write_text(head + HEADLINE_BEGIN + block + HEADLINE_END + tail)
 
 
+def checked_commit() -> str:
+    """The commit every run records. The jobs import the installed rankwatch:
+    it must be this checkout's, or the runs would not be this commit's."""
+    import rankwatch
+
+    installed = Path(rankwatch.__file__).resolve().parents[1]
+    if installed != report.ROOT:
+        print(f"faultbench: the jobs run the rankwatch installed at {installed}, not this checkout "
+              f"({report.ROOT}); its commit is unknown (pip install -e {report.ROOT} to record it)", flush=True)
+        return f"unknown (installed at {installed})"
+    return report.checkout_commit()
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     command = "python bench/faultbench.py" + ("" if argv is None and len(sys.argv) == 1 else
@@ -177,6 +193,7 @@ def main(argv=None) -> int:
     if a.quick and a.world_size is None:
         a.world_size = planning.WORLD_SIZE  # the CI slice: one size, its cost known
     plans = planning.plan_all(shapes, kinds, seeds, a.world_size, a.steps, healthy_seeds)
+    commit = checked_commit()
     jsonl = out / "runs.jsonl"
     done: dict[str, dict] = {}
     if a.resume and jsonl.exists():
@@ -184,6 +201,11 @@ def main(argv=None) -> int:
             if line.strip():
                 run = json.loads(line)
                 done[run["run_id"]] = run
+        others = sorted({str(r.get("commit")) for r in done.values()} - {commit})
+        if others:
+            raise SystemExit(f"faultbench: {jsonl} holds runs made at {', '.join(others)}, this checkout is at "
+                             f"{commit}: resume from a checkout of that commit (git worktree add DIR COMMIT; "
+                             f"pip install -e DIR), or start a new --out")
     elif jsonl.exists():
         jsonl.unlink()
     settings = {"world_size": a.world_size, "steps": a.steps, "seeds": seeds, "healthy_seeds": healthy_seeds,
@@ -199,6 +221,7 @@ def main(argv=None) -> int:
         started = time.time()
         run = execute(p, out / "work" / p.run_id, a.collective_timeout)
         run["elapsed_s"] = round(time.time() - started, 1)
+        run["commit"] = commit
         runs.append(run)
         with open(jsonl, "a") as f:
             f.write(json.dumps(run) + "\n")
@@ -208,7 +231,7 @@ def main(argv=None) -> int:
         print(f"[{i}/{len(todo)} {spent / 60:.0f} min, ~{eta / 60:.0f} min left] {p.run_id} ({where}; "
               f"{run['elapsed_s']:.0f} s): " + " | ".join(filter(None, (_brief(run, t) for t in report.TOOLS))),
               flush=True)
-    settings["elapsed_min"] = round((time.time() - began) / 60, 1)
+    settings["elapsed_min"] = round(sum(r.get("elapsed_s") or 0 for r in runs) / 60, 1)  # resumed runs too
     (out / "settings.json").write_text(json.dumps(settings, indent=1))
     runs.sort(key=lambda r: [x.run_id for x in plans].index(r["run_id"]) if r["run_id"] in
               {x.run_id for x in plans} else 0)

@@ -204,3 +204,21 @@ def test_the_verdicts_step_is_scored_against_the_injections():
     unknown = run("crash", 0, verdicts=[v("crash", [0], 103.0)], run_id="nostep")
     assert [scoring.step_lag(r, r["tools"]["rankwatch"]) for r in (exact, late, unknown)] == [0, 3, None]
     assert sorted(scoring.score_overall([exact, late, unknown], "rankwatch").step_lags) == [0, 3]
+
+
+def test_a_table_is_one_commit_and_a_resume_keeps_to_it(tmp_path):
+    """Every run records its commit; a resume at another commit is refused,
+    and a table of runs from several commits is never published."""
+    import json
+
+    import faultbench
+
+    done = {"run_id": "ddp-healthy-s0", "kind": "healthy", "commit": "0000000"}
+    (tmp_path / "runs.jsonl").write_text(json.dumps(done) + "\n")
+    with pytest.raises(SystemExit, match="holds runs made at 0000000"):
+        faultbench.main(["--shapes", "ddp", "--kinds", "healthy", "--seeds", "1", "--out", str(tmp_path),
+                         "--resume", "--no-docs"])
+    runs = [run("healthy", run_id="a"), run("healthy", run_id="b")]
+    runs[0]["commit"], runs[1]["commit"] = "1111111", "2222222"
+    with pytest.raises(SystemExit, match="several commits"):
+        faultbench.write_outputs(runs, tmp_path, {}, "cmd", docs=True)

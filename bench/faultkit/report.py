@@ -88,13 +88,30 @@ def machine() -> dict:
             info[name] = version(module)
         except Exception:
             info[name] = "not installed"
-    root = Path(__file__).resolve().parents[2]
-    try:
-        info["rankwatch_commit"] = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
-                                                  capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        info["rankwatch_commit"] = "unknown"
+    info["rankwatch_commit"] = checkout_commit()
     return info
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def checkout_commit(root: Path = ROOT) -> str:
+    """The commit this checkout is at, "+changes" when tracked code differs
+    from it (the outputs a run writes, docs/ and README.md, do not count)."""
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=10).stdout.strip()
+        changed = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--",
+                                  ".", ":!docs", ":!README.md"],
+                                 capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head or "unknown") + ("+changes" if changed else "")
+
+
+def commits(runs: list[dict]) -> list[str]:
+    """The commits the runs were made at (one, for a table that may be published)."""
+    return sorted({str(r.get("commit") or "unrecorded") for r in runs})
 
 
 # ------------------------------------------------------------ formatting --
@@ -335,7 +352,7 @@ def markdown(runs: list[dict], settings: dict, info: dict, command: str, files: 
         f"Machine: {info.get('cpu')}, {info.get('cores')} cores, {info.get('ram_gib')} GiB RAM, {info.get('os')}; "
         f"Python {info.get('python')}, torch {info.get('torch')}, Lightning {info.get('lightning')}, "
         f"transformers {info.get('transformers')}, accelerate {info.get('accelerate')}, Ray {info.get('ray')}; "
-        f"rankwatch at `{info.get('rankwatch_commit')}`.",
+        f"rankwatch at `{', '.join(commits(runs))}` (every run's commit, recorded in its line of the JSON Lines).",
         "",
         f"Jobs: {_ranks(settings, runs)} ranks (gloo, CPU), {settings['steps']} optimizer steps, shapes "
         f"{', '.join(SHAPES[s].title for s in shapes)}; fault seeds {settings['seeds']}, healthy seeds "
