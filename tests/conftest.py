@@ -102,8 +102,16 @@ def ddp_script(tmp_path: Path, name: str, body: str) -> Path:
     import textwrap
 
     path = tmp_path / name
-    path.write_text(_HEADER + textwrap.dedent(body) + "dist.destroy_process_group()\n")
+    path.write_text(_HEADER + textwrap.dedent(body) + _FOOTER)
     return path
+
+
+# Drop the script's DDP models before destroy_process_group (TORCH_TEARDOWN_ABORT).
+_FOOTER = """\
+for _name in [n for n, v in list(globals().items()) if isinstance(v, DDP)]:
+    del globals()[_name]
+dist.destroy_process_group()
+"""
 
 
 def free_port() -> int:

@@ -60,6 +60,7 @@ def main():
                 opt.step()
                 opt.zero_grad()
                 step += 1
+    del model  # nothing may hold DDP at destroy_process_group (conftest.TORCH_TEARDOWN_ABORT)
     dist.destroy_process_group()
 
 

@@ -42,6 +42,7 @@ def main():
             print(f"step {step} loss {loss.item():.5f}", flush=True)
     print(f"done: {a.steps} steps", flush=True)
     dist.barrier()
+    del model  # nothing may hold DDP at destroy_process_group (conftest.TORCH_TEARDOWN_ABORT)
     dist.destroy_process_group()
 
 

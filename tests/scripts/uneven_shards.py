@@ -36,6 +36,7 @@ def main():
             nn.functional.mse_loss(model(xb), yb).backward()
             opt.step()
     print(f"rank {rank} done", flush=True)
+    del model  # nothing may hold DDP at destroy_process_group (conftest.TORCH_TEARDOWN_ABORT)
     dist.destroy_process_group()
 
 
