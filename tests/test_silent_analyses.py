@@ -364,3 +364,21 @@ def test_metrics_count_the_new_kinds():
 @pytest.mark.parametrize("kind", ["config_divergence", "duplicate_data", "broken_update"])
 def test_new_kinds_are_in_the_wire_format(kind):
     assert kind in wire.VERDICT_KINDS
+
+
+# -- memory_growth's step ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("leak_from", [3, 14, 30])
+def test_a_leak_is_labelled_with_the_step_it_began(leak_from):
+    """Flat host memory (with allocator jitter) until the leak starts, then
+    +16 MiB a step on rank 1: the verdict's step is the leak's first step
+    (it was the window's first step, 5, whatever the leak's start); from
+    before the skipped start-up steps, the first step watched."""
+    def record(r, s):
+        base = 900e6 + (s % 3) * 1e5
+        leaked = (s - leak_from + 1) * (16 << 20) if (r == 1 and s >= leak_from) else 0
+        return wire.StepRecord(step=s, started_at=T0 + s, ended_at=T0 + s + 0.5, loss=1.0, grad_norm=1.0,
+                               rss_bytes=int(base + leaked))
+    (v,) = detect(analyses.memory_growth, build(3, 60, record=record), 3, batches=4)
+    assert v.ranks == [1] and v.step == max(leak_from, 5), (v.step, v.summary)

@@ -106,6 +106,21 @@ def theil_sen(points: list[tuple[int, float]]) -> float:
     return statistics.median(slopes) if slopes else 0.0
 
 
+def onset(points: list[tuple[int, float, float]]) -> tuple[int, float]:
+    """(step, time) the growth began: the point after the last one still
+    within half a minimum step's growth of the lowest value before it (a
+    leak that starts mid-window has a flat stretch before it), or the
+    window's first point when it grows from there on (the leak began then or
+    earlier)."""
+    lowest, last_low = points[0][1], 0
+    for i, (_, value, _) in enumerate(points):
+        if value <= lowest + MIN_SLOPE / 2:
+            last_low = i
+        lowest = min(lowest, value)
+    start = points[min(last_low + 1, len(points) - 1)] if last_low else points[0]
+    return start[0], start[2]
+
+
 def _growth(series: Series) -> Optional[dict]:
     points = series.points
     if len(points) < MIN_STEPS:
@@ -113,9 +128,10 @@ def _growth(series: Series) -> Optional[dict]:
     slope = theil_sen([(s, v) for s, v, _ in points])
     duration = points[-1][2] - points[0][2]
     per_second = slope * (points[-1][0] - points[0][0]) / duration if duration > 0 else 0.0
+    began, began_at = onset(points)
     return {"bytes_per_step": slope, "bytes_per_second": per_second, "steady": series.ups / (len(points) - 1),
             "first_step": points[0][0], "last_step": points[-1][0], "last_bytes": points[-1][1],
-            "first_at": points[0][2]}
+            "first_at": points[0][2], "onset_step": began, "onset_at": began_at}
 
 
 class Tracker:
@@ -213,7 +229,8 @@ class Tracker:
         elif set(found["leaking"]) == set(leaking):
             first = {r: found["leaking"][r] for r in leaking}
             for rank, g in leaking.items():  # the leak's start stays where it was first seen
-                g["first_step"], g["first_at"] = first[rank]["first_step"], first[rank]["first_at"]
+                for key in ("first_step", "first_at", "onset_step", "onset_at"):
+                    g[key] = first[rank][key]
             found["leaking"] = leaking
 
 
@@ -238,7 +255,8 @@ def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
         rank = max(leaking, key=lambda r: leaking[r]["bytes_per_step"])
         g = leaking[rank]
         eta = _time_to_exhaustion(run, rank, g, field)
-        summary = (f"{ranks_text(leaking).capitalize()} leaks {what}: +{human(g['bytes_per_step'])} per step "
+        began = f" from step {g['onset_step']}" if g["onset_step"] > g["first_step"] else ""
+        summary = (f"{ranks_text(leaking).capitalize()} leaks {what}{began}: +{human(g['bytes_per_step'])} per step "
                    f"({human(g['bytes_per_second'])}/s) over steps {g['first_step']}-{g['last_step']}, "
                    f"against +{human(max(g['peer_bytes_per_step'], 0))} per step on its peers")
         if eta:
@@ -248,7 +266,8 @@ def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
             summary += "."
         evidence = {"memory": field, "ranks": {str(r): dict(d) for r, d in leaking.items()},
                     "seconds_to_exhaustion": eta}
-        return [verdict("memory_growth", leaking, g["first_step"], g["first_at"], now, summary, evidence)]
+        # The verdict's step: where the growth began (steps before it in the window were flat).
+        return [verdict("memory_growth", leaking, g["onset_step"], g["onset_at"], now, summary, evidence)]
     return []
 
 
