@@ -64,10 +64,15 @@ class Shape:
     launcher: str  # "torchrun" or "ray"
     not_applicable: tuple[str, ...] = ()
     why_not: str = ""
+    world_sizes: tuple[int, ...] = WORLD_SIZES  # drawn from per run
+
+
+# The plain DDP job (a small MLP) also runs on 8 ranks: what 2 cores carry for it.
+DDP_WORLD_SIZES = (*WORLD_SIZES, 8)
 
 
 SHAPES: dict[str, Shape] = {s.name: s for s in (
-    Shape("ddp", "plain DDP", "torchrun"),
+    Shape("ddp", "plain DDP", "torchrun", world_sizes=DDP_WORLD_SIZES),
     Shape("fsdp2", "FSDP2", "torchrun", ("weight_divergence",),
           "FSDP2 keeps one copy of each shard: there is no replica to diverge from"),
     Shape("lightning", "Lightning Trainer", "torchrun"),
@@ -102,10 +107,10 @@ class RunPlan:
 
 def plan_run(shape: str, kind: str, seed: int, world_size: Optional[int] = WORLD_SIZE,
              steps: int = STEPS) -> RunPlan:
-    """``world_size`` None: drawn from WORLD_SIZES with the run's seed."""
+    """``world_size`` None: drawn from the shape's world sizes with the run's seed."""
     rng = random.Random(f"{shape}/{kind}/{seed}")
     if world_size is None:
-        world_size = rng.choice(WORLD_SIZES)
+        world_size = rng.choice(SHAPES[shape].world_sizes)
     if kind == HEALTHY:
         return RunPlan(shape, kind, seed, None, None, "", world_size, steps)
     steps = max(steps, FAULTS[kind].steps or 0) if kind in FAULTS else steps
