@@ -534,12 +534,24 @@ def timed_out_waiting(run: RunState) -> Optional[tuple[list[int], list, dict[str
     they waited in) when ranks failed with the collective timeout waiting for
     a collective that live ranks had not issued; None otherwise (an
     independent failure, a mismatch, a rank that left the loop, or no rank
-    behind). Shared by `crash` and `collective_mismatch`, which then say nothing."""
-    from .crash import LEFT_SLACK_S, collective_timeout, failures
+    behind). Shared by `crash` and `collective_mismatch`, which then say nothing.
+    It reads every rank's counts (a culprit still alive is not notable), so
+    it is computed once per set of failures and notable ranks, not per tick."""
+    from .crash import failures
 
     found = failures(run)
     if not found or run.interrupted or run.aborted:
         return None
+    cache = run.trackers.setdefault("_timed_out_waiting", {})
+    key = (len(run.notable), tuple((f.rank, f.at, f.peer_caused) for f in found))
+    if cache.get("key") != key:
+        cache["key"], cache["value"] = key, _timed_out_waiting(run, found)
+    return cache["value"]
+
+
+def _timed_out_waiting(run: RunState, found: list) -> Optional[tuple[list[int], list, dict[str, int]]]:
+    from .crash import LEFT_SLACK_S, collective_timeout
+
     if any(f.collective_error or (not f.peer_caused and not collective_timeout(f)) for f in found):
         return None  # a mismatch, or a failure of its own: collective_mismatch / crash name it
     waiters = [f for f in found if collective_timeout(f)]
