@@ -125,8 +125,10 @@ def write_outputs(runs: list[dict], out: Path, settings: dict, command: str, doc
     jsonl = out / "runs.jsonl"
     png = report.plot(runs, out / "time_to_verdict.png")
     md = out / "benchmark.md"
-    md.write_text(report.markdown(runs, settings, info, command, {"plot": "time_to_verdict.png",
-                                                                   "jsonl": "runs.jsonl"}))
+    commit = report.commits(runs)[0] if runs else "unknown"
+    md.write_text(report.markdown(runs, settings, info, command, {
+        "plot": "time_to_verdict.png", "jsonl": "runs.jsonl",
+        "sensitivity": report.sensitivity_section(DOCS, commit, prefix=f"{DOCS}/")}))
     written += [md, jsonl] + ([png] if png else [])
     if docs:
         target = DOCS / "benchmark"
@@ -135,7 +137,8 @@ def write_outputs(runs: list[dict], out: Path, settings: dict, command: str, doc
         if png:
             shutil.copyfile(png, target / "time_to_verdict.png")
         (DOCS / "benchmark.md").write_text(report.markdown(
-            runs, settings, info, command, {"plot": "benchmark/time_to_verdict.png", "jsonl": "benchmark/runs.jsonl"}))
+            runs, settings, info, command, {"plot": "benchmark/time_to_verdict.png", "jsonl": "benchmark/runs.jsonl",
+                                            "sensitivity": report.sensitivity_section(DOCS, commit)}))
         written += [DOCS / "benchmark.md", target / "runs.jsonl", target / "time_to_verdict.png"]
         update_readme(runs, command)
         written.append(README)

@@ -222,3 +222,21 @@ def test_a_table_is_one_commit_and_a_resume_keeps_to_it(tmp_path):
     runs[0]["commit"], runs[1]["commit"] = "1111111", "2222222"
     with pytest.raises(SystemExit, match="several commits"):
         faultbench.write_outputs(runs, tmp_path, {}, "cmd", docs=True)
+
+
+def test_the_sensitivity_tables_come_with_their_commit(tmp_path):
+    """benchmark.md carries the sensitivity results, saying whether each was
+    made at the table's own commit."""
+    from faultkit import report
+
+    (tmp_path / "sensitivity_jobs.md").write_text(
+        "# x\n\nCommand: `c` (3 runs, 1.0 min), rankwatch at `abc1234`.\n\nSmallest size:\n\n- weight: 1e-4\n\n"
+        "| fault | named |\n|---|---|\n| weight | 3/3 |\n\nRuns with the fault that were not named:\n\n- none\n")
+    (tmp_path / "sensitivity.md").write_text(
+        "# y\n\nrankwatch at `fff0000`.\n\n![plot](benchmark/sensitivity.png)\n\n### grad_spike\n\n| k | named |\n")
+    text = "\n".join(report.sensitivity_section(tmp_path, "abc1234", prefix="docs/"))
+    assert "made at `abc1234` (this table's commit)" in text
+    assert "made at `fff0000`: **not this table's commit**" in text
+    assert "| weight | 3/3 |" in text and "- weight: 1e-4" in text and "Runs with the fault" not in text
+    assert "#### grad_spike" in text and "(docs/benchmark/sensitivity.png)" in text
+    assert report.sensitivity_section(tmp_path / "none", "abc1234") == []

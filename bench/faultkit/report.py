@@ -396,6 +396,7 @@ def markdown(runs: list[dict], settings: dict, info: dict, command: str, files: 
         "",
         *shape_table(runs),
         "",
+        *files.get("sensitivity", []),
         "## rankwatch's misses and false alarms",
         "",
         *misses(runs),
@@ -411,10 +412,55 @@ def markdown(runs: list[dict], settings: dict, info: dict, command: str, files: 
     return "\n".join(out) + "\n"
 
 
+SENSITIVITY_DOCS = (("sensitivity_jobs.md", "On real jobs (the agent's own digests: weights, NaN/Inf in one element, "
+                                         "learning rate, duplicate data)"),
+                    ("sensitivity.md", "On recorded step series (gradient spike, straggler, leak)"))
+
+
+def sensitivity_section(docs: Path, commit: str, prefix: str = "") -> list[str]:
+    """The sensitivity tables (bench/sensitivity_jobs.py, bench/sensitivity.py)
+    as published in ``docs``, each with the commit it was made at and whether
+    that is this table's commit. ``prefix``: the links' path to ``docs``."""
+    import re
+
+    out = ["## Sensitivity: the smallest fault each check names", ""]
+    found = False
+    for name, title in SENSITIVITY_DOCS:
+        path = docs / name
+        if not path.is_file():
+            continue
+        text = path.read_text()
+        found = True
+        made = re.search(r"rankwatch at `([^`]*)`", text)
+        made_at = made.group(1).split()[0] if made else "unknown"
+        same = made_at == commit.split("+")[0]
+        out += [f"### {title}", "",
+                f"From [`{name}`]({prefix}{name}), made at `{made_at}`"
+                + (" (this table's commit)." if same else f": **not this table's commit** (`{commit}`); "
+                   f"rerun it there for one commit throughout."), ""]
+        out += _results_part(text, prefix) + [""]
+    return out if found else []
+
+
+def _results_part(text: str, prefix: str) -> list[str]:
+    """A sensitivity doc's results: from its summary ("Smallest ...") or
+    plot to the list of misses, headings one level down, links re-rooted."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith(("Smallest", "!["))), len(lines))
+    part = []
+    for line in lines[start:]:
+        if line.startswith(("Runs with the fault", "Every run")):
+            break
+        if line.startswith("#"):
+            line = "#" + line
+        part.append(line.replace("](benchmark/", f"]({prefix}benchmark/"))
+    return part
+
+
 METHOD = """## How it works
 
 **Runs.** Each planned run (shape, fault kind, seed) draws its culprit rank
-and fault step (0–14), and without `--world-size` its number of ranks (2–4), from the seed and is run twice with the same plan:
+and fault step (0–14), and without `--world-size` its number of ranks (2–4; plain DDP also 8), from the seed and is run twice with the same plan:
 once as a user runs the job today (plain `torchrun`, or the Ray driver
 alone) and once watched by rankwatch (`rankwatch run` with the same torchrun
 options; Ray: `RAY_TRAIN_CALLBACKS=rankwatch.ray.RankwatchCallback`, no code
