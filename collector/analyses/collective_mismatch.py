@@ -226,13 +226,9 @@ def _from_dying_call(run: RunState, now: float) -> Optional[wire.Verdict]:
     that its peers were not in."""
     from .crash import failures
 
-    from .hang import timed_out_waiting
-
     found = failures(run)
     if not found or any(f.kind == "exception" and not f.peer_caused and not f.collective_error for f in found):
         return None  # nobody died, or an independent exception explains it
-    if timed_out_waiting(run) is not None:
-        return None  # peers that timed out waiting for a rank that never came: hang's waited_out
     groups: dict[Optional[str], list[int]] = {}
     calls: dict[int, tuple[str, str, int]] = {}
     for state in run.notable_ranks():  # the others have no evidence: nothing known
@@ -251,6 +247,14 @@ def _from_dying_call(run: RunState, now: float) -> Optional[wire.Verdict]:
                       or (len(groups[calls[r][1]]) == biggest and None in groups and len(groups[None]) == biggest
                           and len(groups) == 2))
     if not culprits:
+        return None
+    from .crash import collective_timeout
+
+    timed_out = {f.rank for f in found if collective_timeout(f)}
+    if None in groups and set(culprits) <= timed_out:
+        # They waited in their call until the collective timeout while the others
+        # were in none: the others never came (a stall: hang's waited_out), no
+        # call met a wrong partner.
         return None
     op, site, numel = calls[culprits[0]]
     failure = next((f for f in found if f.rank == culprits[0]), None)

@@ -18,7 +18,6 @@ from rankwatch import wire
 
 from ..state import RankState, RunState
 from .common import iso, located, ranks_text, verdict, where
-from .hang import timed_out_waiting
 
 # Failures that are the consequence of a peer's failure (or of a collective
 # mismatch, which collective_mismatch explains).
@@ -186,9 +185,6 @@ def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
             return []
         if _left_cleanly_before(run, found):
             return []  # hang's left_the_loop names the rank that exited early
-        if timed_out_waiting(run) is not None and not any(
-                i.kind == "hang" and i.ready and "ended_at" not in i.details for i in run.incidents):
-            return []  # hang's waited_out names the rank that never came (a named stall takes this as its consequence)
         causes = found[:1]  # every failure looks like a consequence: name the first
     first = causes[0]
     culprit_state = run.ranks[first.rank]

@@ -534,8 +534,8 @@ def timed_out_waiting(run: RunState) -> Optional[tuple[list[int], list, dict[str
     they waited in) when ranks failed with the collective timeout waiting for
     a collective that live ranks had not issued; None otherwise (an
     independent failure, a mismatch, a rank that left the loop, or no rank
-    behind). Shared by `crash` and `collective_mismatch`, which then say nothing.
-    It reads every rank's counts (a culprit still alive is not notable), so
+    behind). The timeouts are crashes that `explain_away` makes its
+    consequences. It reads every rank's counts (a culprit still alive is not notable), so
     it is computed once per set of failures and notable ranks, not per tick."""
     from .crash import failures
 
@@ -616,8 +616,6 @@ def waited_out(run: RunState, now: float) -> Optional[wire.Verdict]:
                   for r in _listed(run, culprits + waiter_ranks)},
         "calls": {str(r): {"op": c[0], "callsite": c[1], "numel": c[2]} for r, c in calls.items() if c},
         "located": located(run, culprits),
-        "consequences": [{"kind": "crash", "ranks": [f.rank], "step": f.step, "first_seen_at": iso(f.at),
-                          "summary": f.cause[:500], "exit_code": f.exit_code} for f in waiters],
     }
     started = min(entered) if entered else first.at
     return verdict("hang", culprits, state.step, started, max(now, first.at), summary, details)
