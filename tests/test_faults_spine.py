@@ -123,7 +123,9 @@ def test_a_rank_stuck_before_its_first_batch_is_named_when_the_collective_timeou
     hang = job.only("hang")
     assert (hang["ranks"], hang["step"]) == ([0], 0), hang
     assert "never reached" in hang["summary"] and "timeout" in hang["summary"], hang["summary"]
-    assert [c["ranks"] for c in hang["evidence"]["consequences"]] == [[1]], hang["evidence"]
+    # Rank 1's timeout (and rank 0's own SIGTERM from torchrun after it) are consequences.
+    consequences = hang["evidence"]["consequences"]
+    assert [1] in [c["ranks"] for c in consequences] and {c["kind"] for c in consequences} == {"crash"}, consequences
     assert len(job.verdicts()) == 1, job.verdicts()
 
 
