@@ -186,3 +186,51 @@ def test_no_graph_break_of_rankwatchs_own_in_a_compiled_model(world):
         agent.uninstall()
         torch._dynamo.reset()
     assert not safety._disabled, f"a part of the agent failed: {safety._disabled}"
+
+
+def test_a_compiled_model_traces_while_another_thread_imports(world):
+    """A compiled DDP job crashed under rankwatch (CI, the `compiled` healthy
+    shape): Dynamo traced the agent's forward pre-hook, whose "is torch
+    compiling" test read `sys.modules`, and Dynamo iterated that dict while
+    another thread (a DataLoader, a logger) imported a module: "dictionary
+    changed size during iteration". Nothing the agent's traced hooks touch
+    may be shared state another thread changes. Here a thread adds and drops
+    modules without pause while the model is traced again and again."""
+    import sys
+    import threading
+    import types
+
+    safety._disabled.clear()
+    identity = wire.RankIdentity(run_id="compile", rank=0, local_rank=0, world_size=1, node_rank=0,
+                                 host="localhost", pid=os.getpid(), attempt=0)
+    agent = Agent(config_mod.Config(), identity, None)
+    agent.install()
+    stop = threading.Event()
+
+    def churn():
+        names = [f"_rankwatch_churn_{i}" for i in range(64)]
+        while not stop.is_set():
+            for name in names:
+                sys.modules[name] = types.ModuleType(name)
+            for name in names:
+                sys.modules.pop(name, None)
+
+    thread = threading.Thread(target=churn, daemon=True)
+    thread.start()
+    try:
+        model = DDP(_net())
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for _ in range(12):
+            torch._dynamo.reset()  # trace again: each trace is a chance for the race
+            compiled = torch.compile(model, backend="eager")
+            opt.zero_grad()
+            compiled(torch.randn(8, 4)).pow(2).mean().backward()
+            opt.step()
+        agent.progress.finish()
+        assert agent.progress.step == 12
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+        agent.uninstall()
+        torch._dynamo.reset()
+    assert not safety._disabled, f"a part of the agent failed: {safety._disabled}"
