@@ -35,6 +35,7 @@ from .watch.progress import Progress, _thin
 from .core.safety import guarded, log, log_once
 from .core.stacks import format_exception
 from .core.transport import CollectorUnreachable, Transport
+from .core.weakrefs import WeakList
 
 FAULTHANDLER_SIGNAL = signal.SIGUSR2
 EVENT_LOG_SIZE = 1024  # the agent's event log is a window (bundles carry it): the newest events ...
@@ -148,7 +149,7 @@ class Agent:
         self._send_lock = threading.Lock()
         self._faulthandler_file = None
         self._fatal_file = None
-        self.ddp_modules: list[Any] = []
+        self.ddp_modules: WeakList[Any] = WeakList()  # never keeps a dropped DDP alive (agent/core/weakrefs.py)
         self.imports = ImportWatch()  # patches that wait for the job's own import (agent/core/imports.py)
         self._roots_attached: set[int] = set()  # ids of models without DDP given the device-facing parts
         self.extensions: list[Any] = []  # parts that answer collector commands
@@ -435,7 +436,7 @@ class Agent:
         # The model's place among the job's DDP models (built in the same order on
         # every rank): a job with two (a GAN) fingerprints each apart.
         self._extend(fingerprints.attach(ddp, config=config, progress=progress, add_fingerprint=self.add_fingerprint,
-                                         model=len(self.ddp_modules) - 1))
+                                         model=self.ddp_modules.added - 1))
         self._extend(gradient_flow.attach(ddp, config=config, emit=emit, progress=progress))
 
     def _extend(self, ext: Any) -> None:

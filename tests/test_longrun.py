@@ -39,6 +39,7 @@ for step in range(int(sys.argv[1])):
     opt.zero_grad(set_to_none=True)
     torch.nn.functional.mse_loss(model(x), y).backward()
     opt.step()
+del model  # nothing may hold DDP at destroy_process_group (conftest.TORCH_TEARDOWN_ABORT)
 dist.destroy_process_group()
 """
 

@@ -45,7 +45,7 @@ fingerprint common steps.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
 
@@ -55,6 +55,7 @@ from rankwatch.wire import StepRecord
 from .grad_checks import fp32_norms
 from ..core.safety import guarded
 from ..core.torch_state import compiling
+from ..core.weakrefs import deref, weak
 
 if TYPE_CHECKING:
     from ..core.ports import AddFingerprint, StepProgress
@@ -134,10 +135,15 @@ def syncs_buffers_before_forward(ddp) -> bool:
 
 
 class Fingerprinter:
+    @property
+    def ddp(self) -> Any:
+        """The DDP wrapper, while the script keeps it."""
+        return deref(self._ddp)
+
     def __init__(self, ddp, every: int, *, config: Config, progress: "StepProgress",
                  add_fingerprint: "AddFingerprint", model: int = 0) -> None:
         self.add_fingerprint = add_fingerprint
-        self.ddp = ddp
+        self._ddp = weak(ddp)  # a hook on the DDP keeps this alive: no cycle (agent/core/weakrefs.py)
         # Which of the job's DDP models (0 for the first): the collector compares
         # each model's prints with the same model's on the other ranks.
         self.model = model
@@ -198,7 +204,7 @@ class Fingerprinter:
     def _before_ddp_forward(self, module, inputs) -> None:
         # Evaluated by DDP itself a moment later, in the same state: will this
         # forward broadcast the buffers from rank 0?
-        self._syncing = self._pending is not None and bool(self.ddp._check_sync_bufs_pre_fwd())
+        self._syncing = self._pending is not None and bool(module._check_sync_bufs_pre_fwd())
 
     @guarded("fingerprints.buffers")
     def _after_buffer_sync(self, module, inputs) -> None:
@@ -285,7 +291,7 @@ class OptimizerFingerprinter:
     """
 
     def __init__(self, models, every: int, *, config: Config, progress: "StepProgress",
-                 add_fingerprint: "AddFingerprint", ddp_modules: list[Any]) -> None:
+                 add_fingerprint: "AddFingerprint", ddp_modules: Iterable[Any]) -> None:
         self.add_fingerprint = add_fingerprint
         self.progress = progress
         self.ddp_modules = ddp_modules

@@ -55,6 +55,7 @@ from ..core.device import DeferredReads
 from ..core.patching import Patches, argument, binding_error
 from ..core.safety import guarded, is_disabled, log
 from ..core.torch_state import compiling, in_backward
+from ..core.weakrefs import deref, weak
 
 if TYPE_CHECKING:
     from ..core.ports import Emit, StepProgress
@@ -150,12 +151,17 @@ class GradChecker:
     the rank's collective tracker (a user's comm hook is not recorded as
     Python call sites)."""
 
+    @property
+    def ddp(self) -> Any:
+        """The DDP wrapper, while the script keeps it."""
+        return deref(self._ddp)
+
     def __init__(self, named_parameters, ddp=None, *, config: Config, emit: "Emit", progress: "StepProgress",
                  collectives: CollectiveTracker) -> None:
         self.emit = emit
         self.progress = progress
         self.collectives = collectives
-        self.ddp = ddp
+        self._ddp = weak(ddp)  # a hook on the DDP keeps this alive: no cycle (agent/core/weakrefs.py)
         self.registered = True  # the user's comm hooks are only wrapped, never replaced
         seen: set[int] = set()
         params = []

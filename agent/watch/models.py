@@ -59,6 +59,7 @@ from ..core import device
 from ..core.patching import Patches, after_call
 from ..core.safety import guarded, log_once
 from ..core.torch_state import compiling
+from ..core.weakrefs import WeakList, deref, weak
 
 if TYPE_CHECKING:
     from ..core.ports import StepProgress
@@ -72,8 +73,17 @@ class Root:
 
     module: Any
     label: str = ""
-    ddp: Any = None  # the DistributedDataParallel wrapping it, if any
     hooked: bool = False
+    _ddp: Any = field(default=None, repr=False)  # a weak reference (agent/core/weakrefs.py)
+
+    @property
+    def ddp(self) -> Any:
+        """The DistributedDataParallel wrapping it, while it lives."""
+        return deref(self._ddp)
+
+    @ddp.setter
+    def ddp(self, value: Any) -> None:
+        self._ddp = weak(value)
 
 
 @dataclass
@@ -257,10 +267,10 @@ def user_site(depth: int = 1) -> Optional[str]:
 class TrainedModels:
     """``hook_handles``: where the torch hooks it registers are kept (the
     runtime removes them at uninstall); ``ddp_modules``: the DDP wrappers
-    built so far (the runtime's list, grown as they are built)."""
+    built so far that still live (the runtime's weak list, grown as they are built)."""
 
     def __init__(self, *, progress: "StepProgress", patches: Patches, hook_handles: list[Any],
-                 ddp_modules: list[Any]) -> None:
+                 ddp_modules: WeakList[Any]) -> None:
         self.progress = progress
         self.patches = patches
         self.hook_handles = hook_handles
@@ -389,6 +399,11 @@ class TrainedModels:
             self.dirty = True
 
     # -- DDP ------------------------------------------------------------------------------
+    def _root_of_ddp(self, ddp) -> Optional[Root]:
+        """The root DDP ``ddp`` wraps (an id alone could be a dropped DDP's, reused)."""
+        root = self._by_ddp.get(id(ddp))
+        return root if root is not None and root.ddp is ddp else None
+
     @guarded("models.ddp")
     def on_ddp(self, ddp) -> None:
         """A DistributedDataParallel was built: its module is a root from now on
@@ -463,9 +478,10 @@ class TrainedModels:
                     if id(p) not in optimized:
                         optimized[id(p)] = (oi, gi)
                         order.append(p)
+        self._by_ddp = {key: root for key, root in self._by_ddp.items() if root.ddp is not None}  # dropped DDPs
         ddp_inner = {id(r.module): r for r in self._by_ddp.values()}
-        for ddp in list(self.ddp_modules):
-            if id(ddp) not in self._by_ddp:
+        for ddp in self.ddp_modules:
+            if self._root_of_ddp(ddp) is None:
                 self.on_ddp(ddp)
         tops: dict[int, Any] = {}
         unowned: set[int] = set()
@@ -584,7 +600,7 @@ class TrainedModels:
         if compiling():
             return None
         self._ddp_depth += 1
-        root = self._by_ddp.get(id(ddp))
+        root = self._root_of_ddp(ddp)
         if root is None or not torch.is_grad_enabled():
             return None
         via = "ddp" if getattr(ddp, "require_backward_grad_sync", True) else "no_sync"
@@ -636,7 +652,7 @@ class TrainedModels:
 
 
 def attach(*, config: Config, progress: "StepProgress", patches: Patches, hook_handles: list[Any],
-           ddp_modules: list[Any]) -> Optional[TrainedModels]:
+           ddp_modules: WeakList[Any]) -> Optional[TrainedModels]:
     if not config.silent_checks:
         return None
     models = TrainedModels(progress=progress, patches=patches, hook_handles=hook_handles, ddp_modules=ddp_modules)

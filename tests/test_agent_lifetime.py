@@ -1,0 +1,108 @@
+"""The agent never keeps the job's models alive longer than the script does.
+
+A DDP model holds its process group; a script that drops it before
+``destroy_process_group`` must see it freed then, as under plain torch
+(agent/core/weakrefs.py: torch 2.13's gloo may abort a process whose DDP
+outlives the process group). Freed by reference counting, at the ``del``:
+no cyclic garbage collection runs between the ``del`` and the check, as none
+runs between a script's ``del model`` and its ``destroy_process_group``.
+
+One process, a gloo world of size 1, the agent attached in process with
+every check on (fingerprints every step, gradient checks unbudgeted).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import weakref
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from rankwatch import config as config_mod
+from rankwatch import wire
+from rankwatch.agent.core import safety
+from rankwatch.agent.runtime import Agent
+
+
+def _agent() -> Agent:
+    safety._disabled.clear()
+    config = config_mod.Config(fingerprint_every=1, grad_check_budget=1.0)
+    identity = wire.RankIdentity(run_id="lifetime", rank=0, local_rank=0, world_size=1, node_rank=0,
+                                 host="localhost", pid=os.getpid(), attempt=0)
+    agent = Agent(config, identity, None)
+    agent.install()
+    return agent
+
+
+@pytest.fixture
+def agent(world):
+    agent = _agent()
+    yield agent
+    agent.uninstall()
+    assert not safety._disabled, f"a part of the agent failed: {safety._disabled}"
+
+
+def _train(model, steps: int) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        opt.step()
+
+
+MODELS = {
+    "linear": lambda: torch.nn.Linear(4, 1),
+    "batchnorm": lambda: torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1)),
+}
+
+
+def _dropped_ddp(build) -> tuple[bool, bool]:
+    """Train a DDP model, drop it: (freed at the ``del`` by reference counting
+    alone, freed by a cyclic collection)."""
+    gc.collect()
+    gc.disable()
+    try:
+        model = DDP(build())
+        _train(model, 6)
+        dropped = weakref.ref(model)
+        del model
+        at_once = dropped() is None
+    finally:
+        gc.enable()
+    gc.collect()
+    return at_once, dropped() is None
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_a_dropped_ddp_model_is_freed_when_plain_torch_frees_it(world, name):
+    """Plain torch frees some DDP models at the ``del`` and some (DDP's own
+    closures make a cycle: BatchNorm's buffer broadcast, torch 2.13) at the
+    next cyclic collection. Under the agent, each is freed no later."""
+    plain = _dropped_ddp(MODELS[name])
+    agent = _agent()
+    try:
+        watched = _dropped_ddp(MODELS[name])
+        assert agent.progress.step == 6 and agent.models is not None
+    finally:
+        agent.uninstall()
+    assert not safety._disabled, f"a part of the agent failed: {safety._disabled}"
+    assert plain[1], "plain torch kept the DDP model"
+    assert watched[1] and (watched[0] or not plain[0]), {"plain (at once, after gc)": plain, "watched": watched}
+
+
+def test_a_second_ddp_model_is_watched_after_the_first_is_dropped(agent):
+    """A job that trains one model, drops it and builds another (a sweep, a
+    fine-tune after pre-training) keeps its watching: the new model's
+    forwards are counted and its fingerprints carry their own model index."""
+    first = DDP(MODELS["batchnorm"]())
+    _train(first, 3)
+    del first
+    second = DDP(MODELS["batchnorm"]())
+    _train(second, 3)
+    assert agent.progress.step == 6
+    assert agent.ddp_modules.added == 2 and list(agent.ddp_modules) == [second]
+    roots = [root for root in agent.models.roots if root.ddp is not None]
+    assert [root.ddp for root in roots] == [second]
