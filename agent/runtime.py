@@ -12,7 +12,6 @@ from __future__ import annotations
 import collections
 import faulthandler
 import functools
-import json
 import operator
 import os
 import signal
@@ -35,7 +34,7 @@ from .watch.progress import Progress, _thin
 from .core.safety import guarded, log, log_once
 from .core.stacks import format_exception
 from .core.transport import CollectorUnreachable, Transport
-from .core.weakrefs import WeakList
+from .core.weakrefs import WeakList, when_dropped
 
 FAULTHANDLER_SIGNAL = signal.SIGUSR2
 EVENT_LOG_SIZE = 1024  # the agent's event log is a window (bundles carry it): the newest events ...
@@ -124,6 +123,17 @@ def _fsdp2_unsharded(module: Any, names: dict[int, str]) -> list[tuple[str, Any]
                 out.append((names.get(id(sharded)) or getattr(fsdp_param, "_param_fqn", None) or
                             f"<{tuple(unsharded.shape)}>", unsharded))
     return out
+
+
+def _retire(extensions: list[Any], parts: list[Any], attached: set[int], model_id: int) -> None:
+    """A model the parts were built for was freed (any thread, agent/core/weakrefs.py)."""
+    attached.discard(model_id)  # a new model may come at the same address
+    for part in parts:
+        guarded("agent.retire")(part.retire)()
+        try:
+            extensions.remove(part)
+        except ValueError:
+            pass
 
 
 class Agent:
@@ -431,18 +441,26 @@ class Agent:
         if self.memory is not None:
             self.memory.on_model(ddp)
         config, emit, progress = self.config, self.record_event, self.progress
-        self._extend(grad_checks.attach(ddp, config=config, emit=emit, progress=progress,
-                                        collectives=self.collectives))
-        # The model's place among the job's DDP models (built in the same order on
-        # every rank): a job with two (a GAN) fingerprints each apart.
-        self._extend(fingerprints.attach(ddp, config=config, progress=progress, add_fingerprint=self.add_fingerprint,
-                                         model=self.ddp_modules.added - 1))
-        self._extend(gradient_flow.attach(ddp, config=config, emit=emit, progress=progress))
+        parts = [grad_checks.attach(ddp, config=config, emit=emit, progress=progress, collectives=self.collectives),
+                 # The model's place among the job's DDP models (built in the same order on
+                 # every rank): a job with two (a GAN) fingerprints each apart.
+                 fingerprints.attach(ddp, config=config, progress=progress, add_fingerprint=self.add_fingerprint,
+                                     model=self.ddp_modules.added - 1),
+                 gradient_flow.attach(ddp, config=config, emit=emit, progress=progress)]
+        self._extend_while(ddp, [part for part in parts if part is not None])
 
     def _extend(self, ext: Any) -> None:
         """A part that answers collector commands (or takes part in the exit), when one was made."""
         if ext is not None:
             self.extensions.append(ext)
+
+    def _extend_while(self, model: Any, parts: list[Any]) -> None:
+        """Parts built for one model, retired when the script frees it
+        (agent/core/weakrefs.py: the agent never keeps a dropped model's
+        memory)."""
+        for part in parts:
+            self._extend(part)
+        when_dropped(model, _retire, self.extensions, parts, self._roots_attached, id(model))
 
     @guarded("agent.sharded")
     def on_model_sharded(self, module) -> None:
@@ -489,8 +507,9 @@ class Agent:
             if named and not all(_plain(p) for _, p in named):
                 named = _fsdp2_unsharded(root.module, dict((id(p), n) for n, p in named))
             if named and all(_plain(p) for _, p in named):
-                self._extend(grad_checks.attach_parameters(named, config=self.config, emit=self.record_event,
-                                                           progress=self.progress, collectives=self.collectives))
+                checker = grad_checks.attach_parameters(named, config=self.config, emit=self.record_event,
+                                                        progress=self.progress, collectives=self.collectives)
+                self._extend_while(root.module, [checker] if checker is not None else [])
 
     # -- events --------------------------------------------------------------------
     def record_event(self, kind: str, step: Optional[int] = None, **details: Any) -> wire.Event:

@@ -106,3 +106,35 @@ def test_a_second_ddp_model_is_watched_after_the_first_is_dropped(agent):
     assert agent.ddp_modules.added == 2 and list(agent.ddp_modules) == [second]
     roots = [root for root in agent.models.roots if root.ddp is not None]
     assert [root.ddp for root in roots] == [second]
+
+
+def test_a_dropped_models_parameters_are_freed(agent):
+    """A script that trains one model and drops it (with its optimizer) gets
+    its memory back as under plain torch: nothing of the agent's (roots,
+    gradient checks, fingerprints, gradient-flow hooks) keeps its
+    parameters; and the parts built for it leave the agent's lists."""
+    model = DDP(MODELS["batchnorm"]())
+    _train(model, 4)
+    params = [weakref.ref(p) for p in model.parameters()]
+    parts_before = len(agent.extensions)
+    del model
+    gc.collect()
+    alive = [ref() for ref in params if ref() is not None]
+    assert not alive, [type(r).__name__ for r in gc.get_referrers(alive[0])]
+    assert len(agent.extensions) < parts_before
+    assert all(root.module is not None for root in agent.models.roots)
+    assert agent.models.named_parameters() == []
+
+
+def test_a_dropped_model_without_ddp_is_freed(agent):
+    """The same for a model trained without DDP (its gradient checks come
+    from the first optimizer step's discovery)."""
+    model = MODELS["batchnorm"]()
+    _train(model, 4)
+    assert agent.models.roots and agent.models.roots[0].module is model
+    params = [weakref.ref(p) for p in model.parameters()]
+    del model
+    gc.collect()
+    alive = [ref() for ref in params if ref() is not None]
+    assert not alive, [type(r).__name__ for r in gc.get_referrers(alive[0])]
+    assert agent.models.roots == []

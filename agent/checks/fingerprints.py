@@ -45,6 +45,7 @@ fingerprint common steps.
 from __future__ import annotations
 
 import time
+import weakref
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
@@ -168,10 +169,22 @@ class Fingerprinter:
         self._pending: Optional[tuple[int, list[torch.Tensor]]] = None
         self._syncing = False
         self._buffer_spent = 0.0
+        self._handles: list[Any] = []
         if self.compare_buffers:
-            ddp.register_forward_pre_hook(self._before_ddp_forward)
-            ddp.module.register_forward_pre_hook(self._after_buffer_sync)
+            self._handles.append(ddp.register_forward_pre_hook(self._before_ddp_forward))
+            self._handles.append(ddp.module.register_forward_pre_hook(self._after_buffer_sync))
+        self.progress = progress
         progress.step_extras.append(self._on_step_end)
+
+    def retire(self) -> None:
+        """Its DDP model was freed (agent/core/weakrefs.py): unhook (the inner
+        module may live on without DDP), let go of the model's tensors."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.params, self.buffer_module, self._pending = [], None, None
+        self.compare_buffers = False
+        self.progress.remove_extras(self)
 
     @property
     def interval(self) -> int:
@@ -303,7 +316,7 @@ class OptimizerFingerprinter:
         self.started = False
         self._names: Optional[list[str]] = None
         self._version = -1
-        self._params: list[torch.Tensor] = []
+        self._params: list[Any] = []  # weak references
         models.on_optimizer_pre.append(self._before_first_step)
         progress.step_extras.append(self._on_step_end)
 
@@ -317,8 +330,11 @@ class OptimizerFingerprinter:
             pairs = [(n, p) for n, p in self.models.named_parameters() if id(p) in optimized and _plain(p)]
             pairs = pairs[:MAX_TENSORS]
             self._names = [f"param:{n}" for n, _ in pairs]
-            self._params = [p for _, p in pairs]
-        return self._names or [], self._params
+            self._params = [weakref.ref(p) for _, p in pairs]  # a dropped model's are freed (core/weakrefs.py)
+        params = [ref() for ref in self._params]
+        if any(p is None for p in params):  # a model was dropped: wait for the next discovery
+            return [], []
+        return self._names or [], params
 
     @guarded("fingerprints.optimizer")
     def _before_first_step(self, optimizer) -> None:

@@ -42,7 +42,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -220,6 +220,17 @@ class GradChecker:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+    def retire(self) -> None:
+        """Its model was freed (agent/core/weakrefs.py): unhook and let go of
+        the model's tensors, so their memory is freed as under plain torch."""
+        self.remove()
+        self.progress.remove_extras(self)
+        if self in _CHECKERS:
+            _CHECKERS.remove(self)
+        self.params, self.names, self.order = [], {}, {}
+        self._values, self._names, self._last_grad, self._step_values = [], [], None, None
+        self._probe_layout = {}
 
     # -- a user's comm hook: its collectives are the gradient reduction -------------
     def register(self, original_register, state, user_hook):

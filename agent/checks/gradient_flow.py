@@ -29,6 +29,7 @@ MAX_NAMES = 32
 class GradientFlow:
     def __init__(self, ddp, *, config: Config, emit: "Emit", progress: "StepProgress") -> None:
         self.emit = emit
+        self.progress = progress
         self.params = [(n, p) for n, p in ddp.module.named_parameters() if p.requires_grad]
         self.seen: set[str] = set()
         self.handles = []
@@ -41,6 +42,14 @@ class GradientFlow:
         self.reader = progress.reads  # deferred device reads (agent/core/device.py)
         self.every = max(1, config.fingerprint_every or 10)
         progress.step_extras.append(self._on_step_end)
+
+    def retire(self) -> None:
+        """Its model was freed (agent/core/weakrefs.py): unhook, let go of its tensors."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        self.params = []
+        self.progress.remove_extras(self)
 
     def _marker(self, name: str):
         seen = self.seen

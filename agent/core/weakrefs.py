@@ -9,12 +9,19 @@ active exception", SIGABRT): the agent would have changed the job's exit
 code. So the agent refers to DDP wrappers only weakly, and never from an
 object that a hook on the same wrapper keeps alive (a reference cycle is
 freed only by the cyclic collector, too late the same way).
+
+The same holds for memory: a part that keeps a dropped model's parameters
+would keep its device memory, and a script that trains one model, drops it
+and builds the next (a sweep, a fine-tune after pre-training) could run out
+of memory under the agent where it runs under plain torch. So every part
+built for one model is retired when that model is freed (``when_dropped``):
+it removes its hooks and callbacks and lets go of the model's tensors.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Generic, Iterator, TypeVar
+from typing import Any, Callable, Generic, Iterator, TypeVar
 
 T = TypeVar("T")
 
@@ -51,3 +58,24 @@ def weak(obj: Any) -> "weakref.ref[Any] | None":
 
 def deref(ref: "weakref.ref[Any] | None") -> Any:
     return ref() if ref is not None else None
+
+
+def when_dropped(owner: Any, fn: Callable[..., None], *args: Any) -> None:
+    """Call ``fn(*args)`` once ``owner`` is freed, on the thread that frees it
+    (the training thread at its ``del``, or whichever thread runs a cyclic
+    collection); never at interpreter exit. Neither ``fn`` nor ``args`` may
+    refer to ``owner``."""
+    try:
+        finalizer = weakref.finalize(owner, fn, *args)
+    except TypeError:  # an object without weak references: it is never retired
+        return
+    finalizer.atexit = False
+
+
+def owner_of(callback: Any) -> Any:
+    """The object a registered callback belongs to: a bound method's ``self``,
+    also through a ``functools.wraps`` wrapper (``safety.guarded``)."""
+    owner = getattr(callback, "__self__", None)
+    if owner is None:
+        owner = getattr(getattr(callback, "__wrapped__", None), "__self__", None)
+    return owner

@@ -48,7 +48,7 @@ from __future__ import annotations
 import re
 import sys
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
@@ -59,7 +59,7 @@ from ..core import device
 from ..core.patching import Patches, after_call
 from ..core.safety import guarded, log_once
 from ..core.torch_state import compiling
-from ..core.weakrefs import WeakList, deref, weak
+from ..core.weakrefs import WeakList, deref, weak, when_dropped
 
 if TYPE_CHECKING:
     from ..core.ports import StepProgress
@@ -67,14 +67,22 @@ if TYPE_CHECKING:
 MAX_TRACKED = 1_000_000  # modules and parameters remembered from registration, at most
 
 
-@dataclass
 class Root:
-    """A user module whose parameters an optimizer updates."""
+    """A user module whose parameters an optimizer updates. The module and its
+    DDP wrapper are held weakly (agent/core/weakrefs.py): once the script
+    drops the module, ``module`` reads None and the root is forgotten."""
 
-    module: Any
-    label: str = ""
-    hooked: bool = False
-    _ddp: Any = field(default=None, repr=False)  # a weak reference (agent/core/weakrefs.py)
+    __slots__ = ("_module", "_ddp", "label", "hooked", "__weakref__")
+
+    def __init__(self, module: Any, label: str = "", ddp: Any = None) -> None:
+        self._module = weak(module)
+        self._ddp = weak(ddp)
+        self.label = label
+        self.hooked = False
+
+    @property
+    def module(self) -> Any:
+        return deref(self._module)
 
     @property
     def ddp(self) -> Any:
@@ -84,6 +92,9 @@ class Root:
     @ddp.setter
     def ddp(self, value: Any) -> None:
         self._ddp = weak(value)
+
+    def __repr__(self) -> str:
+        return f"Root({self.label!r}, ddp={self.ddp is not None})"
 
 
 @dataclass
@@ -275,7 +286,7 @@ class TrainedModels:
         self.patches = patches
         self.hook_handles = hook_handles
         self.ddp_modules = ddp_modules
-        self.roots: list[Root] = []
+        self._roots: list[Root] = []
         self.version = 0
         self.discovered = False
         self.dirty = False
@@ -290,7 +301,7 @@ class TrainedModels:
         self._optimizers: list[Any] = []  # weak references, build order
         self._optimizer_ids: set[int] = set()
         self._names: dict[int, str] = {}
-        self._params: list[tuple[str, Any]] = []
+        self._params: list[tuple[str, Any]] = []  # (name, weak reference)
         self._optimized: dict[int, tuple[int, int]] = {}
         self._by_module: dict[int, Root] = {}
         self._by_ddp: dict[int, Root] = {}
@@ -298,6 +309,34 @@ class TrainedModels:
         self._ddp_depth = 0
         self._pending: list[Forward] = []  # grad-enabled forwards since the last backward
         self._full = False
+
+    @property
+    def roots(self) -> list[Root]:
+        """The roots whose module the script still holds."""
+        return [root for root in self._roots if root.module is not None]
+
+    def named_parameters(self) -> list[tuple[str, Any]]:
+        """(name, parameter) of every root, as of the last discovery; a dropped
+        model's are left out (held weakly: its memory is freed)."""
+        return [(name, param) for name, ref in self._params if (param := ref()) is not None]
+
+    def _root_of_module(self, module: Any) -> Optional[Root]:
+        root = self._by_module.get(id(module))
+        return root if root is not None and root.module is module else None
+
+    def _new_root(self, module: Any, label: str = "") -> Root:
+        root = Root(module=module, label=label)
+        self._by_module[id(module)] = root
+        when_dropped(module, self._root_dropped, id(module))
+        return root
+
+    def _root_dropped(self, key: int) -> None:
+        """The script freed a root's module (any thread: see when_dropped).
+        Its entry goes; the next optimizer step finds the roots again."""
+        root = self._by_module.get(key)
+        if root is not None and root.module is None:
+            self._by_module.pop(key, None)
+        self.dirty = True
 
     # -- installation ---------------------------------------------------------------
     def install(self) -> None:
@@ -410,15 +449,14 @@ class TrainedModels:
         (before the first optimizer step names the roots), so the first
         forwards are seen too."""
         inner, _ = unwrap(ddp.module)
-        root = self._by_module.get(id(inner))
+        root = self._root_of_module(inner)
         if root is None:
-            root = Root(module=inner, label=type(inner).__name__)
-            self._by_module[id(inner)] = root
+            root = self._new_root(inner, type(inner).__name__)
         root.ddp = ddp
         self._by_ddp[id(ddp)] = root
         self._hook_root(root)
-        if root not in self.roots:
-            self.roots.append(root)
+        if root not in self._roots:
+            self._roots.append(root)
 
     @guarded("models.sharded")
     def on_sharded(self, module) -> Any:
@@ -427,13 +465,12 @@ class TrainedModels:
         Returns that module."""
         top = self._top_module(module)
         inner, _ = unwrap(top)
-        root = self._by_module.get(id(inner))
+        root = self._root_of_module(inner)
         if root is None:
-            root = Root(module=inner, label=type(inner).__name__)
-            self._by_module[id(inner)] = root
+            root = self._new_root(inner, type(inner).__name__)
         self._hook_root(root)
-        if root not in self.roots:
-            self.roots.append(root)
+        if root not in self._roots:
+            self._roots.append(root)
         return inner
 
     def _hook_root(self, root: Root) -> None:
@@ -457,9 +494,6 @@ class TrainedModels:
             if opt is not None:
                 out.append(opt)
         return out
-
-    def named_parameters(self) -> list[tuple[str, Any]]:
-        return list(self._params)
 
     def name_of(self, param: Any) -> Optional[str]:
         return self._names.get(id(param))
@@ -502,10 +536,9 @@ class TrainedModels:
             if id(module) in seen:
                 continue
             seen.add(id(module))
-            root = self._by_module.get(id(module)) or ddp_inner.get(id(module))
+            root = self._root_of_module(module) or ddp_inner.get(id(module))
             if root is None:
-                root = Root(module=module)
-                self._by_module[id(module)] = root
+                root = self._new_root(module)
             if ddp is not None and root.ddp is None:
                 root.ddp = ddp
                 self._by_ddp[id(ddp)] = root
@@ -536,8 +569,9 @@ class TrainedModels:
                 k = counters.get((oi, gi), 0)
                 counters[(oi, gi)] = k + 1
                 names[id(p)] = f"optimizer{oi}.group{gi}.{k}"
-        self.roots = roots
-        self._names, self._params, self._optimized = names, params, optimized
+        self._roots = roots
+        self._names, self._optimized = names, optimized
+        self._params = [(name, weakref.ref(p)) for name, p in params]
         for root in roots:
             self._hook_root(root)
         self.discovered = True
@@ -618,7 +652,7 @@ class TrainedModels:
     def _root_pre(self, module, args, kwargs) -> None:
         if compiling() or self._ddp_depth > 0 or not torch.is_grad_enabled():
             return None  # inside DDP's forward: seen by its own hook
-        root = self._by_module.get(id(module))
+        root = self._root_of_module(module)
         if root is None:
             return None
         via = "module" if root.ddp is not None else "direct"

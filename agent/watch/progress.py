@@ -37,6 +37,7 @@ from rankwatch.wire import CollectiveMark, StepRecord
 from ..core import device as device_mod
 from ..core.safety import guarded
 from ..core.torch_state import compiling, in_backward
+from ..core.weakrefs import owner_of
 
 HOLD_STEPS = 8  # step records waiting for their device values, at most
 HOLD_S = 10.0  # ... and for at most this long (a stalled device: the record goes without)
@@ -236,6 +237,15 @@ class Progress:
         self._watch_backward_end(loss)
         for extra in self.backward_extras:
             extra(loss)  # each guarded on its own
+
+    def remove_extras(self, owner: Any) -> None:
+        """A part retired (its model was freed, agent/core/weakrefs.py): drop
+        its callbacks. Each list is replaced, not changed in place: a loop
+        over it on the training thread (the part may be retired on another
+        thread, by a cyclic collection) goes on over the old one."""
+        for name in ("step_extras", "backward_extras", "record_complete"):
+            kept = [fn for fn in getattr(self, name) if owner_of(fn) is not owner]
+            setattr(self, name, kept)
 
     def note_scaled(self, scaled: Any, unscaled: Any) -> None:
         """GradScaler.scale(loss) returned ``scaled``; its backward is the loss's."""
