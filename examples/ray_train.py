@@ -12,6 +12,7 @@ run this file).
 import argparse
 import os
 import signal
+import sys
 import time
 
 import torch
@@ -43,6 +44,8 @@ def train_loop_per_worker(config):
             raise RuntimeError("injected failure: bad batch")
         if config["fault"] == "sigkill" and faulty and step == config["fault_step"]:
             os.kill(os.getpid(), signal.SIGKILL)  # the kernel's OOM killer, an operator's kill -9
+        if config["fault"] == "exit" and faulty and step == config["fault_step"]:
+            sys.exit(0)  # this rank's data ran out: it leaves, its peers wait in the next allreduce
         loss.backward()
         opt.step()
         time.sleep(config["step_time"])
@@ -53,7 +56,7 @@ def main():
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--step-time", type=float, default=0.02)
-    p.add_argument("--fault", default="none", choices=("none", "hang", "crash", "nan", "slow", "sigkill"))
+    p.add_argument("--fault", default="none", choices=("none", "hang", "crash", "nan", "slow", "sigkill", "exit"))
     p.add_argument("--fault-rank", type=int, default=1)
     p.add_argument("--fault-step", type=int, default=5)
     p.add_argument("--storage", default="/tmp/ray_results")

@@ -531,6 +531,12 @@ def _attach_in_worker(attempt: int) -> None:
             stacks.training_thread_ident = threading.get_ident()
             try:
                 result = target()
+            except SystemExit as exc:
+                # sys.exit() in the training function: Ray reports it as the
+                # function's error, but it is the exit a process would make
+                # (sys.exit(0): a clean exit, e.g. a rank whose data ran out).
+                agent.shutdown(exit_code_of(exc))
+                raise
             except BaseException as exc:
                 agent.on_exception(exc)
                 agent.shutdown(1)
@@ -630,11 +636,26 @@ def _exit_of(status) -> tuple[Optional[int], str]:
     if isinstance(error, WorkerHealthCheckTimeoutError):
         return None, ""  # still there, only slow to answer Ray
     if isinstance(error, UserExceptionWithTraceback):
+        base = getattr(error, "_base_exc", None)
+        if isinstance(base, SystemExit):  # sys.exit() in the training function: the exit a process makes
+            code = exit_code_of(base)
+            return code, "finished" if code == 0 else "exit"
         return 1, "exception"  # the agent reported the exception itself
     # The actor died (a signal, os._exit, the OOM killer): Ray's message lists
     # possible causes, not the exit status; the controller asks the node's
     # helper for what the process recorded (see after_worker_group_poll_status).
     return -int(signal.SIGKILL), "actor died"
+
+
+def exit_code_of(exc: SystemExit) -> int:
+    """The exit status Python gives ``raise SystemExit(code)``: 0 for None,
+    the number itself, 1 for anything else (a message it prints)."""
+    code = exc.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    return 1
 
 
 def _as_dict(info: _WorkerInfo) -> dict[str, Any]:

@@ -123,6 +123,17 @@ def test_killed_worker_is_a_crash_by_sigkill(cluster, tmp_path):
     assert "SIGKILL" in crash["summary"]
 
 
+def test_a_rank_that_exits_early_is_the_hang_not_a_crash(cluster, tmp_path):
+    """sys.exit(0) in one rank's training function (its data ran out): Ray
+    reports it as the function's error ("SystemExit: 0"), but the rank left
+    cleanly and its peer waits for it in the next allreduce. Named as a
+    process's clean exit is: a hang on the rank that left, not a crash."""
+    job = run_driver(cluster, tmp_path, "exit", ["--fault", "exit", "--fault-rank", "1", "--fault-step", "4"])
+    hang = job.only("hang")
+    assert hang["ranks"] == [1] and hang["step"] == 4, hang
+    assert "SystemExit" not in hang["summary"]
+
+
 def test_nan_names_the_origin_rank_and_step_with_no_code_change(cluster, tmp_path):
     # No line in the driver at all: Ray's own RAY_TRAIN_CALLBACKS adds the callback.
     job = run_driver(cluster, tmp_path, "nan", ["--no-callback", "--fault", "nan", "--fault-rank", "1",
@@ -216,6 +227,25 @@ def test_the_token_never_travels_in_the_pickled_callback(monkeypatch):
     assert copy.config.on_hang == "wait" and copy.config.token is None and copy._collector is None
     with pytest.raises(TypeError):
         RankwatchCallback(no_such_setting=1)
+
+
+def test_sys_exit_in_the_training_function_is_read_as_the_process_exit_it_would_be():
+    from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
+
+    from rankwatch.ray import _exit_of
+
+    class Status:
+        running = False
+
+        def __init__(self, error):
+            self.error = error
+
+    assert _exit_of(Status(UserExceptionWithTraceback(SystemExit(0), "SystemExit: 0"))) == (0, "finished")
+    assert _exit_of(Status(UserExceptionWithTraceback(SystemExit(None), "SystemExit"))) == (0, "finished")
+    assert _exit_of(Status(UserExceptionWithTraceback(SystemExit(3), "SystemExit: 3"))) == (3, "exit")
+    assert _exit_of(Status(UserExceptionWithTraceback(SystemExit("bad config"), "SystemExit: bad config"))) == (1, "exit")
+    assert _exit_of(Status(UserExceptionWithTraceback(ValueError("x"), "ValueError: x"))) == (1, "exception")
+    assert _exit_of(Status(None)) == (0, "finished")
 
 
 def test_training_thread_is_read_as_the_main_thread():
