@@ -476,6 +476,33 @@ def test_a_peers_own_error_after_a_clean_exit_is_still_its_crash():
     assert [(v.kind, v.ranks) for v in run_all(run, T + 10, True)] == [("crash", [2])]
 
 
+def test_a_teardown_collective_after_a_clean_exit_is_not_a_mismatch():
+    """Lightning-shaped (faultbench lightning-early_exit-s1): rank 1 ran out of
+    data and exited 0; its peers failed with "Connection closed by peer", and
+    torchrun's SIGTERM made rank 3's handler (Lightning's
+    _sigterm_notifier_fn) broadcast while it died. That broadcast is a
+    consequence of the teardown, not a collective that met a wrong partner:
+    the verdict is the rank that left, the teardown in its evidence."""
+    from rankwatch.collector.analyses import run_all
+
+    run = _uneven_run(0)
+    run.world_size = 4
+    late = run.rank(3)
+    late.step, late.phase = 8, "backward"
+    late.events.append(wire.Event(kind="exception", at=T + 1.9, step=8, details={
+        "type": "RuntimeError", "message": "[gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.1]:9",
+        "traceback": "", "phase": "backward"}))
+    late.exit_code, late.exited_at = 1, T + 2.0
+    for r in (0, 2, 3):
+        progress = {"step": 8, "phase": "backward"}
+        if r == 3:
+            progress["collective"] = {"op": "broadcast", "callsite": "signal_connector.py:118 in _sigterm_notifier_fn",
+                                      "numel": 1}
+        run.ranks[r].evidence[f"crash-{r}"] = RankEvidence(rank=r, reason="crash", created_at=T + 2, source="supervisor",
+                                                           progress=progress)
+    assert [(v.kind, v.ranks, v.step) for v in run_all(run, T + 10, True)] == [("hang", [1], 8)]
+
+
 def _uniform_hang(ranks: int, exit_codes: dict[int, int] | None = None) -> tuple[RunState, Incident]:
     """Every rank stalls at the same place: no rank stands out."""
     run = RunState(run_id="r", world_size=ranks)

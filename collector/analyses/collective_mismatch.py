@@ -226,9 +226,17 @@ def _from_dying_call(run: RunState, now: float) -> Optional[wire.Verdict]:
     that its peers were not in."""
     from .crash import failures
 
+    from .crash import left_cleanly_before
+
     found = failures(run)
     if not found or any(f.kind == "exception" and not f.peer_caused and not f.collective_error for f in found):
         return None  # nobody died, or an independent exception explains it
+    if left_cleanly_before(run, found):
+        # A rank exited 0 before anyone failed: its peers' failures follow from
+        # its leaving (hang's left_the_loop), and a collective one of them was
+        # in as it died was the teardown's (a SIGTERM handler's broadcast),
+        # never a call that met a wrong partner.
+        return None
     groups: dict[Optional[str], list[int]] = {}
     calls: dict[int, tuple[str, str, int]] = {}
     for state in run.notable_ranks():  # the others have no evidence: nothing known

@@ -183,7 +183,7 @@ def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
             return []  # collective_mismatch / oom name the culprit
         if run.aborted or run.interrupted:
             return []
-        if _left_cleanly_before(run, found):
+        if left_cleanly_before(run, found):
             return []  # hang's left_the_loop names the rank that exited early
         causes = found[:1]  # every failure looks like a consequence: name the first
     first = causes[0]
@@ -226,7 +226,7 @@ def detect(run: RunState, now: float, final: bool) -> list[wire.Verdict]:
     return [verdict("crash", [f.rank for f in culprits], first.step, first.at, max(now, first.at), summary, evidence)]
 
 
-def _left_cleanly_before(run: RunState, found: list[Failure]) -> bool:
+def left_cleanly_before(run: RunState, found: list[Failure]) -> bool:
     """A rank exited 0 before these (all peer-caused) failures: its peers were
     still in a collective with it."""
     first = min(f.at for f in found)
