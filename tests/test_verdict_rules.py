@@ -503,6 +503,37 @@ def test_a_teardown_collective_after_a_clean_exit_is_not_a_mismatch():
     assert [(v.kind, v.ranks, v.step) for v in run_all(run, T + 10, True)] == [("hang", [1], 8)]
 
 
+@pytest.mark.parametrize("behind", [True, False])
+def test_timeouts_with_a_rank_in_another_collective_are_one_verdict(behind):
+    """Ranks 0 and 1 failed with the collective timeout inside an all_reduce;
+    rank 2, alive, was inside a broadcast they never issued. Whether or not
+    its count is behind theirs (counts in flight), the waited-out rule and
+    the dying-call rule judge it with one predicate: one verdict, a
+    mismatch on rank 2, without a "never reached" hang among its consequences."""
+    from rankwatch.collector.analyses import run_all
+
+    run = RunState(run_id="r", world_size=3)
+    for r in range(3):
+        state = run.rank(r)
+        state.step, state.phase = 9, "backward"
+        state.enqueued = {"0": 19 if (r == 2 and behind) else 20}
+        progress = {"step": 9, "phase": "backward", "collective": (
+            {"op": "broadcast", "callsite": "train.py:61 in sync_flags", "numel": 1} if r == 2 else
+            {"op": "all_reduce", "callsite": "train.py:50 in train", "numel": 8})}
+        state.evidence["hang-1"] = RankEvidence(rank=r, reason="hang", created_at=T + 1, source="supervisor",
+                                                progress=progress)
+    for r in (0, 1):
+        state = run.ranks[r]
+        state.events.append(wire.Event(kind="exception", at=T + 30, step=9, details={
+            "type": "RuntimeError", "message": "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] "
+            "Timed out waiting 30000ms for recv operation to complete", "traceback": "", "phase": "backward"}))
+        state.exit_code, state.exited_at = 1, T + 30.2
+    verdicts = run_all(run, T + 40, True)
+    assert [(v.kind, v.ranks) for v in verdicts] == [("collective_mismatch", [2])]
+    consequences = verdicts[0].evidence.get("consequences", [])
+    assert all(c["kind"] != "hang" for c in consequences), consequences  # not also "never reached" it
+
+
 def _uniform_hang(ranks: int, exit_codes: dict[int, int] | None = None) -> tuple[RunState, Incident]:
     """Every rank stalls at the same place: no rank stands out."""
     run = RunState(run_id="r", world_size=ranks)

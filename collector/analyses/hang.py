@@ -577,10 +577,14 @@ def _timed_out_waiting(run: RunState, found: list) -> Optional[tuple[list[int], 
             behind.append(rank)
     if not behind:
         return None
-    from .collective_mismatch import _from_flight_recorder, _from_marks
+    from .collective_mismatch import _from_dying_call, _from_flight_recorder, _from_marks
 
-    if _from_flight_recorder(run, time.time()) or _from_marks(run, time.time()):
-        return None  # the collectives no longer pair up: a rank "behind" is one short, collective_mismatch's
+    now = time.time()
+    if _from_flight_recorder(run, now) or _from_marks(run, now) or _from_dying_call(run, now):
+        # The collectives no longer pair up (a rank "behind" is one short), or a
+        # rank is inside a collective its peers never issued: collective_mismatch's.
+        # One judgement for both rules, so one incident never reads as both.
+        return None
     return sorted(behind), waiters, waiting
 
 
