@@ -107,9 +107,14 @@ def ddp_script(tmp_path: Path, name: str, body: str) -> Path:
 
 
 # Drop the script's DDP models before destroy_process_group (TORCH_TEARDOWN_ABORT).
+# Some DDP models are freed only by a cyclic collection, under plain torch too
+# (with BatchNorm, DDP's own closures make a cycle: tests/test_agent_lifetime.py),
+# so one runs before the process group goes.
 _FOOTER = """\
 for _name in [n for n, v in list(globals().items()) if isinstance(v, DDP)]:
     del globals()[_name]
+import gc as _gc
+_gc.collect()
 dist.destroy_process_group()
 """
 

@@ -18,6 +18,7 @@ option is something users do; none of them is a fault.
 """
 
 import argparse
+import gc
 import os
 import time
 
@@ -169,6 +170,12 @@ def main():
     accuracy = evaluate()
     if rank == 0:
         print(f"done: {step} steps, final loss {loss.item() * a.accum:.6f}, accuracy {accuracy:.3f}", flush=True)
+    # Nothing may hold DDP at destroy_process_group (tests/conftest.py TORCH_TEARDOWN_ABORT);
+    # with BatchNorm only a cyclic collection frees it.
+    model = loss = None  # noqa: F841
+    if a.compile:
+        torch._dynamo.reset()  # compiled code and its guards refer to the module
+    gc.collect()
     dist.destroy_process_group()
 
 
