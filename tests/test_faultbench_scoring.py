@@ -129,6 +129,15 @@ def test_a_fault_that_never_fired_is_left_out_and_counted():
     assert scoring.score_precision(runs, "rankwatch")["all"].verdicts == 1
 
 
+def test_a_straggler_that_added_no_time_is_a_fault_that_never_fired():
+    idle = run("straggler", 1, verdicts=[], run_id="idle")
+    idle["tools"]["rankwatch"]["injected"]["detail"] = {"extra_s_per_step": 0.0}
+    slow = run("straggler", 1, verdicts=[v("straggler", [1], 140.0)], run_id="slow")
+    slow["tools"]["rankwatch"]["injected"]["detail"] = {"extra_s_per_step": 0.05}
+    s = scoring.score_kinds([idle, slow], "rankwatch")["straggler"]
+    assert (s.runs, s.not_injected, s.hits) == (1, 1, 1)
+
+
 def test_a_tool_that_does_not_apply_to_a_shape_is_not_scored_there():
     runs = [run("crash", 1, verdicts=[], applies=False, tool="torchrun")]
     s = scoring.score_kinds(runs, "torchrun")["crash"]

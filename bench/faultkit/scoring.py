@@ -143,9 +143,19 @@ def status(run: dict, tool: str) -> str:
     answer = (run.get("tools") or {}).get(tool)
     if not answer or not answer.get("applies", True):
         return "absent"
-    if run["kind"] != HEALTHY and not answer.get("injected"):
+    if run["kind"] != HEALTHY and not _acted(answer.get("injected")):
         return "not_injected"
     return "scored"
+
+
+def _acted(injected: Optional[dict]) -> bool:
+    """The injector wrote its record and the fault did something: a
+    straggler whose added time came out 0 s (armed before any step time was
+    known, faultbench at a50cb18) slowed nothing down."""
+    if not injected:
+        return False
+    extra = (injected.get("detail") or {}).get("extra_s_per_step")
+    return not (isinstance(extra, (int, float)) and extra <= 0)
 
 
 def scored(run: dict, tool: str) -> Optional[dict]:

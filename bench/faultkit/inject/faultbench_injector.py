@@ -266,6 +266,10 @@ def _before_forward(module, args):
         _disarm()
         torch.empty(size, dtype=torch.uint8)  # more than the host has: the CPU allocator fails
     elif KIND == "straggler":
+        if S.straggle_s <= 0.0:
+            if not S.durations:
+                return None  # armed before any step time was known: slow down from the next step
+            S.straggle_s = max(0.03, sorted(S.durations)[len(S.durations) // 2])
         record({"extra_s_per_step": round(S.straggle_s, 4)})
         time.sleep(S.straggle_s)  # this rank's compute takes about twice as long from now on
     elif KIND == "config_divergence":
