@@ -101,6 +101,35 @@ def test_a_spike_on_a_step_only_its_rank_reported_is_judged_against_the_peers_me
     assert tracker.finding is not None and set(tracker.finding["spiked"]) == {7} and tracker.finding["step"] == 66
 
 
+def _sampled_run(norm, steps: int = 24, stride: int = 2) -> grad_spike.Tracker:
+    """Two ranks whose agents check their gradients every ``stride``-th step
+    (a loaded rank's cost budget), norms from ``norm(rank, step)``."""
+    run = RunState("early", world_size=2)
+    tracker = grad_spike.Tracker()
+    for step in range(0, steps, stride):
+        tracker.on_step(run, step, _records(step, range(2), norm=lambda r, step=step: norm(r, step)))
+    return tracker
+
+
+def test_a_spike_before_the_rank_has_a_history_of_its_own_is_named_at_its_step():
+    """faultbench hf-grad_spike-s0: rank 0's gradient 2,000x its peer's at step
+    2, when (checked every 2nd step) it had one norm of its own. It was never
+    judged, and its ratio became the run's largest healthy one. Held until the
+    rank's own history can judge it, it is the verdict, at step 2."""
+    tracker = _sampled_run(lambda r, step: 3768.0 if (r, step) == (0, 2) else 2.0 - 0.02 * step + 0.01 * r)
+    assert tracker.finding is not None, tracker.candidates
+    assert tracker.finding["step"] == 2 and set(tracker.finding["spiked"]) == {0}
+    assert tracker.peak_ratio < 2.0  # the spike never counted as a healthy step
+
+
+def test_a_rank_different_from_its_first_step_is_not_a_spike():
+    """A rank whose gradients are 200x its peer's from step 0 on (its data,
+    not a spike): held at first, then dropped once its own history shows
+    that is what it does."""
+    tracker = _sampled_run(lambda r, step: (400.0 if r == 0 else 2.0) * (1 + 0.01 * (step % 3)))
+    assert tracker.finding is None and not tracker.candidates
+
+
 def test_marks_already_settled_are_not_read_again_and_a_later_mismatch_is_still_found():
     run = RunState("m", world_size=3)
     for r in range(3):

@@ -20,6 +20,15 @@ anything the run has shown in healthy steps:
   0.005 makes any ordinary norm a "spike");
 - and RATIO x its own recent median (+ MAD_K MADs), as before.
 
+A rank with too few norms of its own to judge (the first steps, or a rank
+whose agent samples its gradients every 4th or 8th step) that beats its
+peers and the run's bound is held as a candidate, its norm kept out of every
+window; it is judged against its own history once that holds WARMUP norms
+from the steps after it (a spike passes, a rank that stays high, one with
+systematically different data, does not). The verdict keeps the spike's
+step. Without that, a spike in the first steps was never judged, and its
+ratio became the run's "largest healthy" one.
+
 `bench/grad_spike_false_alarms.py` measures the false alarms per 10,000
 steps on healthy runs of several shapes and the smallest spike still caught.
 """
@@ -51,6 +60,7 @@ PER_STEP_KEPT = 64  # per-rank values a step adds to the window at most (an even
 MARGIN = 10.0  # times beyond the largest peers' ratio of the window
 EARLY_RATIO = 100.0  # times the peers' median, while the window holds fewer than EARLY_VALUES
 EARLY_VALUES = 256
+MAX_CANDIDATES = 64  # ranks held for want of their own history, at most
 
 
 class Tracker:
@@ -74,6 +84,8 @@ class Tracker:
         # shows its extremes rarely, and one that left the window is still
         # part of what this run does when healthy.
         self.peak_ratio = 0.0
+        # rank -> a spike seen before the rank had WARMUP norms of its own (see the module's doc).
+        self.candidates: dict[int, dict] = {}
 
     def run_bound(self) -> tuple[float, Optional[float]]:
         """(the peers' ratio a spike must beat, the run's median norm or None
@@ -103,6 +115,7 @@ class Tracker:
             peers = peer_medians(at_step)
             self.full_size, self.full_median = len(at_step), statistics.median(at_step.values())
         spiked = {}
+        held: dict[int, dict] = {}
         bound: Optional[tuple[float, Optional[float]]] = None
         for rank, peer_median in paced(peers.items()):
             value = at_step[rank]
@@ -110,6 +123,14 @@ class Tracker:
                 continue
             own = self.history.get(rank)
             if own is None or len(own) < WARMUP:
+                if rank not in self.candidates and len(self.candidates) < MAX_CANDIDATES:
+                    if bound is None:
+                        bound = self.run_bound()
+                    ratio = value / max(peer_median, 1e-12)
+                    if ratio > bound[0]:
+                        held[rank] = {"step": step, "grad_norm": value, "peer_median": peer_median,
+                                      "ratio_to_peers": ratio, "largest_healthy_ratio": self.peak_ratio or None,
+                                      "first_at": records[rank].ended_at}
                 continue
             own_median = statistics.median(own)
             own_mad = statistics.median(abs(v - own_median) for v in own) * MAD_SCALE
@@ -127,14 +148,23 @@ class Tracker:
         if not partial and len(at_step) > 1:
             self._note_margin(run, step, at_step, peers)
         size = self.full_size if partial else len(at_step)
-        minority = len(spiked) < size / 2 or (size == 2 and len(spiked) == 1)
+        outliers = len(spiked) + len(held)
+        minority = outliers < size / 2 or (size == 2 and outliers == 1)
         if spiked and minority:
             self.finding = {"step": step, "spiked": spiked,
                             "first_at": min(records[r].ended_at for r in spiked)}
             return
+        if held and minority:
+            self.candidates.update(held)
         if partial:
             return  # a rank's own history and the run's window hold the steps every rank reported
+        self._judge_candidates(run, step)
+        if self.finding is not None:
+            return
+        held_now = {r for r, found in self.candidates.items() if found["step"] == step}
         for rank, value in paced(at_step.items()):
+            if rank in held_now:
+                continue  # a candidate's norm stays out of every window
             own = self.history.get(rank)
             if own is None:
                 own = self.history[rank] = collections.deque(maxlen=HISTORY)
@@ -144,11 +174,37 @@ class Tracker:
             stride = len(kept) / PER_STEP_KEPT
             kept = [kept[int(i * stride)] for i in range(PER_STEP_KEPT)]
         for rank in kept:
+            if rank in held_now:
+                continue
             self.norms.append(at_step[rank])
             if rank in peers:
                 self.ratios.append(at_step[rank] / max(peers[rank], 1e-12))
-        self.peak_ratio = max(self.peak_ratio, max((at_step[r] / max(peers[r], 1e-12) for r in at_step if r in peers),
-                                                   default=0.0))
+        self.peak_ratio = max(self.peak_ratio, max((at_step[r] / max(peers[r], 1e-12) for r in at_step
+                                                    if r in peers and r not in held_now), default=0.0))
+
+    def _judge_candidates(self, run: RunState, step: int) -> None:
+        """Candidates whose rank now has WARMUP norms of its own after the
+        candidate's step: a spike if the candidate beats that history and the
+        run's median norm as a spike with history would; else dropped."""
+        for rank, found in list(self.candidates.items()):
+            own = self.history.get(rank)
+            if found["step"] >= step or own is None or len(own) < WARMUP:
+                continue
+            del self.candidates[rank]
+            value = found["grad_norm"]
+            own_median = statistics.median(own)
+            own_mad = statistics.median(abs(v - own_median) for v in own) * MAD_SCALE
+            run_median = statistics.median(self.norms) if self.norms else None
+            if not (value > RATIO * max(own_median, 1e-12) and value > own_median + MAD_K * own_mad):
+                continue
+            if run_median is not None and value <= RATIO * max(run_median, 1e-12):
+                continue
+            first_at = found.pop("first_at")
+            spike_step = found.pop("step")
+            self.finding = {"step": spike_step, "first_at": first_at,
+                            "spiked": {rank: {**found, "own_median": own_median, "run_median": run_median,
+                                              "judged_after": True}}}
+            return
 
 
     def _note_margin(self, run: RunState, step: int, at_step: dict[int, float], peers: dict[int, float]) -> None:
