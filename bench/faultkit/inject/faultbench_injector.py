@@ -207,15 +207,23 @@ def _extra_collective() -> None:
 
 
 def _break_zero_grad() -> None:
+    """Gradients are never cleared on the culprit from now on. Checked at each
+    call: a step-0 fault is armed at torch's import, before the rank is known
+    (Ray Train sets RANK in the worker later); the ground truth is written at
+    the first call it swallows."""
     import torch
 
-    record({"patched": ["torch.optim.Optimizer.zero_grad", "torch.nn.Module.zero_grad"]})
+    def broken(original):
+        def zero_grad(self, *args, **kwargs):
+            if not _culprit():
+                return original(self, *args, **kwargs)
+            record({"patched": ["torch.optim.Optimizer.zero_grad", "torch.nn.Module.zero_grad"]})
+            return None
 
-    def zero_grad(self, *args, **kwargs):  # gradients are never cleared from now on
-        return None
+        return zero_grad
 
-    torch.optim.Optimizer.zero_grad = zero_grad
-    torch.nn.Module.zero_grad = zero_grad
+    torch.optim.Optimizer.zero_grad = broken(torch.optim.Optimizer.zero_grad)
+    torch.nn.Module.zero_grad = broken(torch.nn.Module.zero_grad)
 
 
 # ------------------------------------------------------------------ forward --
@@ -463,6 +471,8 @@ def _on_torch_imported() -> None:
         _patch_dataloader()
     if STEP == 0 and (KIND in FORWARD_KINDS or KIND in LEAF_KINDS) and VARIANT != "lr":
         _arm_forward_hooks()  # armed at once; the rank is only known at the first forward
+    if STEP == 0 and KIND == "broken_update":
+        _break_zero_grad()  # before the first step's zero_grad (a step-0 fault was never armed at a50cb18)
 
 
 class _TorchImportWatcher(importlib.abc.MetaPathFinder):
