@@ -119,6 +119,20 @@ dist.destroy_process_group()
 """
 
 
+def attached_agent(run_id: str, **config):
+    """The agent attached inside this test process, as rank 0 of a gloo world
+    of size 1 (the ``world`` fixture), installed; the caller uninstalls it."""
+    from rankwatch import config as config_mod
+    from rankwatch import wire
+    from rankwatch.agent.runtime import Agent
+
+    identity = wire.RankIdentity(run_id=run_id, rank=0, local_rank=0, world_size=1, node_rank=0,
+                                 host="localhost", pid=os.getpid(), attempt=0)
+    agent = Agent(config_mod.Config(**config), identity, None)
+    agent.install()
+    return agent
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

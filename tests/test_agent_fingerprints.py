@@ -6,25 +6,19 @@ process (the multi-rank no-false-alarm jobs are in test_agent_batchnorm.py).
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from rankwatch import config as config_mod
-from rankwatch import wire
+from conftest import attached_agent
 from rankwatch.agent.checks.fingerprints import Fingerprinter
 from rankwatch.agent.runtime import Agent
 
 
 @pytest.fixture
 def agent(world):
-    config = config_mod.Config(fingerprint_every=2, grad_check_budget=0.0)
-    identity = wire.RankIdentity(run_id="fp", rank=0, local_rank=0, world_size=1, node_rank=0,
-                                 host="localhost", pid=os.getpid(), attempt=0)
-    agent = Agent(config, identity, None)
-    agent.install()
+    agent = attached_agent("fp", fingerprint_every=2, grad_check_budget=0.0)
     yield agent
     agent.uninstall()
 

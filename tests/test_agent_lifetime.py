@@ -14,26 +14,20 @@ every check on (fingerprints every step, gradient checks unbudgeted).
 from __future__ import annotations
 
 import gc
-import os
 import weakref
 
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from rankwatch import config as config_mod
-from rankwatch import wire
+from conftest import attached_agent
 from rankwatch.agent.core import safety
 from rankwatch.agent.runtime import Agent
 
 
 def _agent() -> Agent:
     safety._disabled.clear()
-    config = config_mod.Config(fingerprint_every=1, grad_check_budget=1.0)
-    identity = wire.RankIdentity(run_id="lifetime", rank=0, local_rank=0, world_size=1, node_rank=0,
-                                 host="localhost", pid=os.getpid(), attempt=0)
-    agent = Agent(config, identity, None)
-    agent.install()
+    agent = attached_agent("lifetime", fingerprint_every=1, grad_check_budget=1.0)
     return agent
 
 

@@ -11,26 +11,19 @@ multi-rank end-to-end runs of these shapes are in test_healthy_shapes.py).
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from rankwatch import config as config_mod
-from rankwatch import wire
+from conftest import attached_agent
 from rankwatch.agent.core import safety
-from rankwatch.agent.runtime import Agent
 
 
 @pytest.fixture
 def agent(world):
     # Budget 0: every step fully checked, so the test sees every norm.
-    config = config_mod.Config(fingerprint_every=0, grad_check_budget=0.0)
-    identity = wire.RankIdentity(run_id="shapes", rank=0, local_rank=0, world_size=1, node_rank=0,
-                                 host="localhost", pid=os.getpid(), attempt=0)
-    agent = Agent(config, identity, None)
-    agent.install()
+    agent = attached_agent("shapes", fingerprint_every=0, grad_check_budget=0.0)
     yield agent
     agent.uninstall()
     assert not safety._disabled, f"a part of the agent failed: {safety._disabled}"

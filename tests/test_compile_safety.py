@@ -17,17 +17,14 @@ One process, a gloo world of size 1, the agent attached in process.
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from rankwatch import config as config_mod
-from rankwatch import wire
+from conftest import attached_agent
 from rankwatch.agent.core import safety
-from rankwatch.agent.runtime import Agent
 
 pytest.importorskip("torch._dynamo")
 
@@ -36,11 +33,7 @@ pytest.importorskip("torch._dynamo")
 def agent(world):
     safety._disabled.clear()
     torch._dynamo.reset()
-    config = config_mod.Config(fingerprint_every=0, grad_check_budget=0.0)
-    identity = wire.RankIdentity(run_id="compile", rank=0, local_rank=0, world_size=1, node_rank=0,
-                                 host="localhost", pid=os.getpid(), attempt=0)
-    agent = Agent(config, identity, None)
-    agent.install()
+    agent = attached_agent("compile", fingerprint_every=0, grad_check_budget=0.0)
     yield agent
     agent.uninstall()
     torch._dynamo.reset()
@@ -168,10 +161,7 @@ def test_no_graph_break_of_rankwatchs_own_in_a_compiled_model(world):
     forwards and steps."""
     plain, plain_warnings, _ = _compiled_ddp_graph_breaks()
     safety._disabled.clear()
-    identity = wire.RankIdentity(run_id="compile", rank=0, local_rank=0, world_size=1, node_rank=0,
-                                 host="localhost", pid=os.getpid(), attempt=0)
-    agent = Agent(config_mod.Config(), identity, None)
-    agent.install()
+    agent = attached_agent("compile")
     try:
         watched, watched_warnings, steps = _compiled_ddp_graph_breaks()
         agent.progress.finish()
@@ -201,10 +191,7 @@ def test_a_compiled_model_traces_while_another_thread_imports(world):
     import types
 
     safety._disabled.clear()
-    identity = wire.RankIdentity(run_id="compile", rank=0, local_rank=0, world_size=1, node_rank=0,
-                                 host="localhost", pid=os.getpid(), attempt=0)
-    agent = Agent(config_mod.Config(), identity, None)
-    agent.install()
+    agent = attached_agent("compile")
     stop = threading.Event()
 
     def churn():

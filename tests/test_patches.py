@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from conftest import attached_agent
 from rankwatch import config as config_mod
 from rankwatch import wire
 from rankwatch.agent.watch import collectives as collectives_mod
@@ -38,11 +39,7 @@ def _free_port() -> int:
 def agent(tmp_path_factory):
     if dist.is_initialized():
         pytest.skip("a process group already exists in this test process")
-    config = config_mod.Config(fingerprint_every=1)
-    identity = wire.RankIdentity(run_id="patches", rank=0, local_rank=0, world_size=1, node_rank=0,
-                                 host="localhost", pid=os.getpid(), attempt=0)
-    agent = Agent(config, identity, None)
-    agent.install()
+    agent = attached_agent("patches", fingerprint_every=1)
     try:
         # init_process_group the way Lightning / Accelerate call it: all keywords.
         dist.init_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{_free_port()}",

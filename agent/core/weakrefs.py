@@ -45,6 +45,9 @@ class WeakList(Generic[T]):
     def __iter__(self) -> Iterator[T]:
         return iter(self.alive())
 
+    def __getitem__(self, index: int) -> T:
+        return self.alive()[index]
+
     def __len__(self) -> int:
         return len(self.alive())
 
