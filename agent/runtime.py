@@ -32,6 +32,7 @@ from .core.imports import ImportWatch
 from .core.patching import Patches, after_call
 from .watch.progress import Progress, _thin
 from .core.safety import guarded, log, log_once
+from .core import stacks
 from .core.stacks import format_exception
 from .core.transport import CollectorUnreachable, Transport
 from .core.weakrefs import WeakList, when_dropped
@@ -125,17 +126,6 @@ def _fsdp2_unsharded(module: Any, names: dict[int, str]) -> list[tuple[str, Any]
     return out
 
 
-def _retire(extensions: list[Any], parts: list[Any], attached: set[int], model_id: int) -> None:
-    """A model the parts were built for was freed (any thread, agent/core/weakrefs.py)."""
-    attached.discard(model_id)  # a new model may come at the same address
-    for part in parts:
-        guarded("agent.retire")(part.retire)()
-        try:
-            extensions.remove(part)
-        except ValueError:
-            pass
-
-
 class Agent:
     def __init__(self, config: config_mod.Config, identity: wire.RankIdentity, collector_url: Optional[str]):
         self.config = config
@@ -153,6 +143,10 @@ class Agent:
         self._beat_soon = threading.Event()  # set with _stop too: the heartbeat loop waits on this one
         self._beat_after_record = False
         self.progress.record_complete.append(self._after_record)
+        # Parts of freed models that a cyclic collection on another thread left
+        # for the training thread to retire, first thing at its next step end.
+        self._to_retire: list[list[Any]] = []
+        self.progress.step_extras.append(self._retire_waiting)
         self._thread: Optional[threading.Thread] = None
         self._dumped_incidents: set[str] = set()
         self._lock = threading.Lock()
@@ -460,7 +454,31 @@ class Agent:
         memory)."""
         for part in parts:
             self._extend(part)
-        when_dropped(model, _retire, self.extensions, parts, self._roots_attached, id(model))
+        when_dropped(model, self._model_freed, parts, id(model))
+
+    def _model_freed(self, parts: list[Any], model_id: int) -> None:
+        """On the thread that freed the model: the training thread at the
+        script's ``del``, or any thread a cyclic collection ran on. Only the
+        training thread unhooks (a hook removed from another thread could be
+        in the middle of the backward's loop over them)."""
+        self._roots_attached.discard(model_id)  # a new model may come at the same address
+        training = stacks.training_thread_ident or threading.main_thread().ident
+        if threading.get_ident() == training:
+            self._retire(parts)
+        else:
+            self._to_retire.append(parts)
+
+    def _retire_waiting(self, record: Any) -> None:
+        while self._to_retire:
+            self._retire(self._to_retire.pop())
+
+    def _retire(self, parts: list[Any]) -> None:
+        for part in parts:
+            guarded("agent.retire")(part.retire)()
+            try:
+                self.extensions.remove(part)
+            except ValueError:
+                pass
 
     @guarded("agent.sharded")
     def on_model_sharded(self, module) -> None:

@@ -132,3 +132,30 @@ def test_a_dropped_model_without_ddp_is_freed(agent):
     alive = [ref() for ref in params if ref() is not None]
     assert not alive, [type(r).__name__ for r in gc.get_referrers(alive[0])]
     assert agent.models.roots == []
+
+
+def test_a_model_freed_on_another_thread_is_retired_by_the_training_thread(agent):
+    """A cyclic collection may run on any thread (the heartbeat's): the parts
+    of a model it frees are retired by the training thread at its next step
+    end, never unhooked from another thread in the middle of a backward."""
+    import threading
+
+    gc.collect()
+    gc.disable()  # the collection below, on another thread, is the one that frees it
+    try:
+        model = DDP(MODELS["batchnorm"]())
+        _train(model, 3)
+        parts = len(agent.extensions)
+        model.__dict__["_cycle"] = [model]  # freed only by a cyclic collection
+        dropped = weakref.ref(model)
+        del model
+        assert dropped() is not None
+        collector = threading.Thread(target=gc.collect)
+        collector.start()
+        collector.join()
+        assert dropped() is None
+        assert len(agent.extensions) == parts, "retired on the heartbeat's thread"
+        _train(torch.nn.Linear(4, 1), 1)  # the training thread's next step end
+        assert len(agent.extensions) < parts
+    finally:
+        gc.enable()

@@ -240,9 +240,10 @@ class Progress:
 
     def remove_extras(self, owner: Any) -> None:
         """A part retired (its model was freed, agent/core/weakrefs.py): drop
-        its callbacks. Each list is replaced, not changed in place: a loop
-        over it on the training thread (the part may be retired on another
-        thread, by a cyclic collection) goes on over the old one."""
+        its callbacks. Each list is replaced, not changed in place: a
+        retirement can come from a cyclic collection in the middle of a loop
+        over one, which then goes on over the old list (a retired part's
+        callbacks do nothing harmful)."""
         for name in ("step_extras", "backward_extras", "record_complete"):
             kept = [fn for fn in getattr(self, name) if owner_of(fn) is not owner]
             setattr(self, name, kept)
