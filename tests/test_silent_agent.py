@@ -188,6 +188,30 @@ def test_gradients_never_cleared_and_a_backward_ddp_never_saw(agent):
     assert unreduced.details["site"].startswith("test_silent_agent.py:")
 
 
+@pytest.mark.parametrize("cleared", [False, True])
+def test_gradients_never_cleared_under_fsdp2(agent, cleared):
+    """FSDP2 reduce-scatters each gradient into its sharded parameter's .grad
+    (adding to it when it is there): no tensor hook on a sharded parameter
+    ever fires, so the gradient is read at the next backward's call
+    (faultbench fsdp2-broken_update-s0 was missed). Cleared every step: nothing."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (1,))
+    net = Net()
+    for layer in (net.body[0], net.head):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    for step in range(4):
+        if cleared:
+            opt.zero_grad()
+        net(torch.randn(4, 8)).sum().backward()
+        opt.step()
+    checks = {e.details["check"]: e.step for e in _events(agent, "broken_update")}
+    assert checks == ({} if cleared else {"grads_not_cleared": 1})
+
+
 def test_hooks_never_travel_with_a_copy_of_the_model(agent):
     net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
     model = DDP(net)

@@ -25,7 +25,8 @@ then every CHECK_EVERY steps), each reported once as an event:
   stepped is still there, unchanged, when the next step's first backward
   adds to it, and no ``zero_grad`` ran before that step (accumulation
   within a step is normal). Read through a tensor hook on two parameters,
-  before the gradient is accumulated.
+  before the gradient is accumulated; for a sharded parameter (FSDP2's
+  DTensor, whose gradient no tensor hook sees) at the next backward's call.
 - `unreduced_backward`: the optimizer steps on gradients whose last backward
   DDP did not reduce: a forward through ``ddp.module`` (or inside
   ``no_sync()``) not followed by one through DDP itself. Every step.
@@ -149,6 +150,9 @@ class UpdateChecks:
     # -- unreduced backward (every step: flags only) -------------------------------------------------
     @guarded("update_checks.backward")
     def _on_backward(self, forwards: list[Forward]) -> None:
+        for watch in self._watch:
+            if watch.get("at_backward_call") and not watch["fired"]:
+                self._on_first_grad(watch)
         if any(f.via == "ddp" for f in forwards):
             self._unreduced = None  # DDP reduces what was accumulated so far, too
             return
@@ -306,10 +310,16 @@ class UpdateChecks:
                                      "index": index, "before": None, "seen": None, "step": step,
                                      "fired": False, "cleared": False}
             self._read(grad, index, watch, "before")
-            try:
-                watch["handle"] = param.register_hook(self._first_grad(watch))
-            except RuntimeError:
-                continue
+            if type(param).__name__ == "DTensor":
+                # FSDP2 never runs autograd through a sharded parameter (its
+                # gradient is reduce-scattered into .grad): no tensor hook would
+                # fire. Read at the next backward's call, before it runs.
+                watch["at_backward_call"] = True
+            else:
+                try:
+                    watch["handle"] = param.register_hook(self._first_grad(watch))
+                except RuntimeError:
+                    continue
             self._watch.append(watch)
 
     def _read(self, grad: torch.Tensor, index: torch.Tensor, watch: dict, slot: str) -> None:
