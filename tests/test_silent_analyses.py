@@ -369,14 +369,20 @@ def test_new_kinds_are_in_the_wire_format(kind):
 # -- memory_growth's step ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("leak_from", [3, 14, 30])
-def test_a_leak_is_labelled_with_the_step_it_began(leak_from):
+@pytest.mark.parametrize("drift", [0.0, 0.25])
+@pytest.mark.parametrize("leak_from", [3, 6, 14, 30])
+def test_a_leak_is_labelled_with_the_step_it_began(leak_from, drift):
     """Flat host memory (with allocator jitter) until the leak starts, then
     +16 MiB a step on rank 1: the verdict's step is the leak's first step
     (it was the window's first step, 5, whatever the leak's start); from
-    before the skipped start-up steps, the first step watched."""
+    before the skipped start-up steps, the first step watched. With the
+    allocator drifting 0.25 MiB a step on every rank before it (faultbench
+    hf-leak-s1), still the leak's first step (it was one step early). A leak
+    from the step after the first watched one is labelled that step: the
+    last start-up value shows the first watched step was still flat
+    (faultbench lightning-leak-s0, one step early)."""
     def record(r, s):
-        base = 900e6 + (s % 3) * 1e5
+        base = 900e6 + (s % 3) * 1e5 + s * drift * (1 << 20)
         leaked = (s - leak_from + 1) * (16 << 20) if (r == 1 and s >= leak_from) else 0
         return wire.StepRecord(step=s, started_at=T0 + s, ended_at=T0 + s + 0.5, loss=1.0, grad_norm=1.0,
                                rss_bytes=int(base + leaked))

@@ -16,7 +16,7 @@ from rankwatch import wire
 from rankwatch.memory_snapshot import human
 
 from ..state import RunState
-from .common import margins, note_margin, paced, ranks_text, register_tracker, settle, tracker, verdict
+from .common import note_margin, paced, ranks_text, register_tracker, settle, tracker, verdict
 
 SKIP_FIRST = 5
 MIN_STEPS = 15
@@ -32,9 +32,10 @@ PEER_SAMPLE = 64  # peers' slopes: every peer up to this many, an even sample be
 class Series:
     """One rank's last WINDOW (step, value, time) points of one memory field
     (flat arrays: ~1.5 KiB a rank at any run length), with a running count of
-    the steps that grew."""
+    the steps that grew, and the value just before the first point (a
+    start-up step, or the point the window last dropped), when known."""
 
-    __slots__ = ("_steps", "_values", "_times", "_head", "_count", "ups")
+    __slots__ = ("_steps", "_values", "_times", "_head", "_count", "ups", "before")
 
     def __init__(self) -> None:
         self._steps = array("q", bytes(8 * WINDOW))
@@ -43,6 +44,7 @@ class Series:
         self._head = 0  # index of the oldest point
         self._count = 0
         self.ups = 0
+        self.before: Optional[float] = None
 
     def _at(self, i: int) -> int:
         return (self._head + i) % WINDOW
@@ -55,6 +57,7 @@ class Series:
             self.ups += value > self._values[self._at(self._count - 1)]
         if self._count == WINDOW:
             slot = self._head
+            self.before = self._values[slot]
             self._head = (self._head + 1) % WINDOW
         else:
             slot = self._at(self._count)
@@ -106,18 +109,35 @@ def theil_sen(points: list[tuple[int, float]]) -> float:
     return statistics.median(slopes) if slopes else 0.0
 
 
-def onset(points: list[tuple[int, float, float]]) -> tuple[int, float]:
+def onset(points: list[tuple[int, float, float]], slope: float = MIN_SLOPE, drift: float = 0.0,
+          before: Optional[float] = None) -> tuple[int, float]:
     """(step, time) the growth began: the point after the last one still
-    within half a minimum step's growth of the lowest value before it (a
-    leak that starts mid-window has a flat stretch before it), or the
-    window's first point when it grows from there on (the leak began then or
-    earlier)."""
-    lowest, last_low = points[0][1], 0
-    for i, (_, value, _) in enumerate(points):
-        if value <= lowest + MIN_SLOPE / 2:
+    within half a step's growth of the lowest value before it (a leak that
+    starts mid-window has a flat stretch before it), or the window's first
+    point when it grows from there on (the leak began then or earlier).
+    ``before``, the value just before the window, says which: flat into the
+    first point, the growth began at the second (a leak starting the step
+    after the skipped start-up steps was dated one step early).
+
+    A step's growth is the leak's own (``slope``, at least MIN_SLOPE), and
+    the values are taken net of ``drift`` (bytes a step: the peers' growth,
+    what every rank's allocator does anyway). Without either, an allocator's
+    slow drift before a fast leak (0.2 MiB a step on every rank before +16 MiB
+    ones, faultbench hf-leak-s1) ran past the tolerance and dated the leak a
+    step early, or many steps early over a long flat stretch."""
+    tolerance = max(MIN_SLOPE, slope) / 2
+    first_step = points[0][0]
+    drift = max(0.0, drift)
+    values = [value - drift * (step - first_step) for step, value, _ in points]
+    lowest = values[0] if before is None else min(values[0], before + drift)
+    last_low: Optional[int] = None
+    for i, value in enumerate(values):
+        if value <= lowest + tolerance:
             last_low = i
         lowest = min(lowest, value)
-    start = points[min(last_low + 1, len(points) - 1)] if last_low else points[0]
+    if last_low is None or (last_low == 0 and before is None):
+        return points[0][0], points[0][2]  # growing from the window's first point, or before it
+    start = points[min(last_low + 1, len(points) - 1)]
     return start[0], start[2]
 
 
@@ -128,7 +148,7 @@ def _growth(series: Series) -> Optional[dict]:
     slope = theil_sen([(s, v) for s, v, _ in points])
     duration = points[-1][2] - points[0][2]
     per_second = slope * (points[-1][0] - points[0][0]) / duration if duration > 0 else 0.0
-    began, began_at = onset(points)
+    began, began_at = onset(points, slope, before=series.before)
     return {"bytes_per_step": slope, "bytes_per_second": per_second, "steady": series.ups / (len(points) - 1),
             "first_step": points[0][0], "last_step": points[-1][0], "last_bytes": points[-1][1],
             "first_at": points[0][2], "onset_step": began, "onset_at": began_at}
@@ -142,12 +162,19 @@ class Tracker:
 
     def __init__(self) -> None:
         self.series: dict[str, dict[int, Series]] = {f: {} for f, _ in FIELDS}
+        self.before: dict[str, dict[int, float]] = {f: {} for f, _ in FIELDS}  # start-up values, per rank
         self.findings: dict[str, dict] = {}
         self.last_step = 0
         self.cheap_worst = 0.0  # the highest O(1) margin seen: gates the robust one
 
     def on_step(self, run: RunState, step: int, records: dict[int, wire.StepRecord]) -> None:
         if step < SKIP_FIRST:
+            for field, _ in FIELDS:  # only the last start-up value: where the first window point came from
+                before = self.before[field]
+                for rank, record in paced(records.items()):
+                    value = getattr(record, field)
+                    if value is not None:
+                        before[rank] = float(value)
             return
         for field, _ in FIELDS:
             per_rank = self.series[field]
@@ -159,6 +186,7 @@ class Tracker:
                 series = per_rank.get(rank)
                 if series is None:
                     series = per_rank[rank] = Series()
+                    series.before = self.before[field].pop(rank, None)
                 series.add(step, float(value), record.ended_at)
                 changed = True
             self.last_step = step
@@ -220,7 +248,9 @@ class Tracker:
             peers = [p["bytes_per_step"] for r in sample if r != rank and (p := growth(r)) is not None]
             peer_slope = statistics.median(peers) if peers else 0.0
             if g["bytes_per_step"] > 4 * max(peer_slope, 0.0) + MIN_SLOPE / 2:
-                leaking[rank] = {**g, "peer_bytes_per_step": peer_slope}
+                series = per_rank[rank]
+                began, began_at = onset(series.points, g["bytes_per_step"], peer_slope, series.before)
+                leaking[rank] = {**g, "peer_bytes_per_step": peer_slope, "onset_step": began, "onset_at": began_at}
         if not leaking or (len(run.ranks) > 1 and len(leaking) == len(run.ranks)):
             return
         found = self.findings.get(field)
