@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from faultkit import plan as planning  # noqa: E402
-from faultkit import report, scoring, tools  # noqa: E402
+from faultkit import reanalyze, report, scoring, tools  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -64,6 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"ranks per job (default: drawn per run from {list(planning.WORLD_SIZES)})")
     p.add_argument("--steps", type=int, default=planning.STEPS)
     p.add_argument("--rescore", default="", metavar="DIR", help="only rebuild the outputs from DIR/runs.jsonl")
+    p.add_argument("--reanalyze", default="", metavar="DIR",
+                   help="analyse DIR's recorded rankwatch runs again with this checkout's collector and list "
+                        "the verdicts that change (faultkit/reanalyze.py); writes nothing")
     a = p.parse_args(argv)
     for name, valid in (("shapes", planning.SHAPES), ("kinds", planning.KIND_ORDER)):
         bad = [x for x in filter(None, getattr(a, name).split(",")) if x not in valid]
@@ -173,6 +176,13 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     command = "python bench/faultbench.py" + ("" if argv is None and len(sys.argv) == 1 else
                                                " " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:])))
+    if a.reanalyze:
+        work = Path(a.reanalyze)
+        runs = [json.loads(line) for line in (work / "runs.jsonl").read_text().splitlines() if line.strip()]
+        rows = reanalyze.reanalyze(work, runs)
+        print(reanalyze.text(rows, len(runs)))
+        return 1 if any(r["right_before"] and not r["right_after"] for r in rows) else 0
+
     if a.rescore:
         out = Path(a.rescore)
         runs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines() if line.strip()]

@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-from faultkit import plan, scoring  # noqa: E402
+from faultkit import plan, reanalyze, scoring  # noqa: E402
 
 
 def run(kind: str, rank=None, *, verdicts=(), injected_at=100.0, tool="rankwatch", run_id=None, applies=True):
@@ -249,3 +249,24 @@ def test_the_sensitivity_tables_come_with_their_commit(tmp_path):
     assert "| weight | 3/3 |" in text and "- weight: 1e-4" in text and "Runs with the fault" not in text
     assert "#### grad_spike" in text and "(docs/benchmark/sensitivity.png)" in text
     assert report.sensitivity_section(tmp_path / "none", "abc1234") == []
+
+
+def test_reanalyze_finds_each_shapes_run_dir_and_marks_what_a_change_did(tmp_path):
+    torchrun = tmp_path / "work" / "ddp-crash-s0" / "rankwatch" / "rankwatch-run"
+    ray = tmp_path / "work" / "ray-crash-s0" / "rankwatch" / "ray_results" / "job" / "rankwatch"
+    for d in (torchrun, ray):
+        d.mkdir(parents=True)
+        (d / "collector.sqlite").write_bytes(b"")
+    assert reanalyze.run_dir(tmp_path, "ddp-crash-s0") == torchrun
+    assert reanalyze.run_dir(tmp_path, "ray-crash-s0") == ray
+    assert reanalyze.run_dir(tmp_path, "hf-crash-s0") is None
+    fixed = run("crash", 1, run_id="a")
+    assert reanalyze._right([v("crash", [1])], fixed) and not reanalyze._right([v("crash", [0])], fixed)
+    assert reanalyze._right([], run("healthy")) and not reanalyze._right([v("hang", [0])], run("healthy"))
+    rows = [{"run_id": "a", "expected": "crash", "rank": 1, "step": 5, "before": [], "right_before": False,
+             "after": [{"kind": "crash", "ranks": [1], "step": 5}], "right_after": True},
+            {"run_id": "b", "expected": None, "rank": None, "step": None, "right_before": True, "right_after": False,
+             "before": [], "after": [{"kind": "hang", "ranks": [0], "step": 3}]}]
+    out = reanalyze.text(rows, 10)
+    assert "2 of 10 runs" in out and "fixed   a (truth crash[1]@5): - -> crash[1]@5" in out
+    assert "BROKEN  b (truth healthy): - -> hang[0]@3" in out
