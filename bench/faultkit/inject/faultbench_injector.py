@@ -93,6 +93,7 @@ class _State:
     leaf_done = False
     recorded = False
     straggle_s = 0.0
+    break_handle: Any = None
     repeat_batch: Any = None
     leaked: list = []
     forward_handles: list = []
@@ -472,7 +473,16 @@ def _on_torch_imported() -> None:
     if STEP == 0 and (KIND in FORWARD_KINDS or KIND in LEAF_KINDS) and VARIANT != "lr":
         _arm_forward_hooks()  # armed at once; the rank is only known at the first forward
     if STEP == 0 and KIND == "broken_update":
-        _break_zero_grad()  # before the first step's zero_grad (a step-0 fault was never armed at a50cb18)
+        # A step-0 fault was never armed at a50cb18. Broken at the first forward,
+        # after the job's own set-up (a watcher's wrapper of zero_grad included,
+        # as when it breaks at a later step), before any gradient exists.
+        from torch.nn.modules.module import register_module_forward_pre_hook
+
+        def break_at_first_forward(module, args):
+            S.break_handle.remove()
+            _break_zero_grad()
+
+        S.break_handle = register_module_forward_pre_hook(break_at_first_forward)
 
 
 class _TorchImportWatcher(importlib.abc.MetaPathFinder):
