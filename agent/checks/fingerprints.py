@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -56,7 +56,7 @@ from rankwatch.wire import StepRecord
 from .grad_checks import fp32_norms
 from ..core.safety import guarded
 from ..core.torch_state import compiling
-from ..core.weakrefs import deref, weak
+from ..core.weakrefs import WeakList, deref, weak
 
 if TYPE_CHECKING:
     from ..core.ports import AddFingerprint, StepProgress
@@ -300,11 +300,11 @@ class OptimizerFingerprinter:
     fingerprints are not compared. Then every N steps, like the DDP
     fingerprints (``"source": "optimizer"``), under the same cost budget.
     Used only on ranks without a DDP model (one fingerprint stream a rank):
-    ``ddp_modules`` is the runtime's list of the DDP wrappers built so far.
+    ``ddp_modules`` is the runtime's list of the DDP wrappers built so far that still live.
     """
 
     def __init__(self, models, every: int, *, config: Config, progress: "StepProgress",
-                 add_fingerprint: "AddFingerprint", ddp_modules: Iterable[Any]) -> None:
+                 add_fingerprint: "AddFingerprint", ddp_modules: WeakList[Any]) -> None:
         self.add_fingerprint = add_fingerprint
         self.progress = progress
         self.ddp_modules = ddp_modules
@@ -385,7 +385,7 @@ class OptimizerFingerprinter:
 
 
 def attach_optimizers(models, *, config: Config, progress: "StepProgress", add_fingerprint: "AddFingerprint",
-                      ddp_modules: list[Any]) -> Optional[OptimizerFingerprinter]:
+                      ddp_modules: WeakList[Any]) -> Optional[OptimizerFingerprinter]:
     every = config.fingerprint_every
     if every <= 0 or models is None:
         return None
