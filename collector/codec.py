@@ -86,7 +86,7 @@ def _opt_signal(v: Any):
     return float(v)
 
 
-def _opt_bytes(v: Any):
+def _opt_bytes(v: Any) -> Optional[int]:
     if v is None:
         return None
     if type(v) is not int or not 0 <= v <= _MAX_INT:
@@ -312,14 +312,6 @@ def _opt_seconds(v: Any) -> Optional[float]:
     if type(v) not in (float, int) or not 0.0 <= v <= _MAX_TIME:
         raise _Slow  # wire's decoder says why
     return float(v)
-
-
-def _opt_bytes(v: Any) -> Optional[int]:
-    if v is None:
-        return None
-    if type(v) is not int or not 0 <= v <= wire.MAX_INT:
-        raise _Slow
-    return v
 
 
 def parse(raw: bytes, what: str, limit: int = wire.MAX_MESSAGE_BYTES) -> Any:

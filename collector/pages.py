@@ -26,7 +26,6 @@ for a refresh interval so that many viewers of a big job cost one build.
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 import logging
 import re

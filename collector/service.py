@@ -10,7 +10,6 @@ from __future__ import annotations
 import collections
 import gc
 import logging
-import re
 import threading
 import time
 from dataclasses import dataclass, field

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import math
-import statistics
 import threading
 import time
 from dataclasses import dataclass, field

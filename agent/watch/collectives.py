@@ -55,6 +55,7 @@ from typing import Any, Callable, Optional
 from ..core.patching import Patches, argument, binding_error
 from ..core.safety import guarded
 from ..core.stacks import is_own_file
+from ..core.torch_state import compiling
 
 _PY_API_COLLECTIVES = (
     "all_reduce",
@@ -81,18 +82,6 @@ _PY_API_COLLECTIVES = (
     "scatter_object_list",
 )
 
-
-
-def _is_compiling() -> bool:
-    return False
-
-
-try:
-    import torch as _torch
-
-    _is_compiling = _torch.compiler.is_compiling  # type: ignore[assignment]  # torch >= 2.3
-except Exception:  # pragma: no cover - torch without torch.compiler
-    pass
 
 
 def fr_readers() -> list[tuple[str, Callable[..., Any]]]:
@@ -324,7 +313,7 @@ class CollectiveTracker:
 
         @functools.wraps(fn)
         def collective(*args, **kwargs):
-            if _is_compiling():  # Dynamo traces the bare collective (also with fullgraph=True)
+            if compiling():  # Dynamo traces the bare collective (also with fullgraph=True)
                 return fn(*args, **kwargs)
             if getattr(tracker._local, "depth", 0):  # nested (e.g. barrier -> all_reduce): record the outer call
                 return fn(*args, **kwargs)

@@ -20,7 +20,6 @@ import signal
 import socket
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any, Callable, Optional
 

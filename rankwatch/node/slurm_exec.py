@@ -29,10 +29,8 @@ import secrets
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 from rankwatch import config as config_mod
 from rankwatch import slurm
