@@ -212,6 +212,29 @@ def test_gradients_never_cleared_under_fsdp2(agent, cleared):
     assert checks == ({} if cleared else {"grads_not_cleared": 1})
 
 
+@pytest.mark.parametrize("cleared", [False, True])
+def test_gradients_never_cleared_with_a_closure_step(agent, cleared):
+    """``optimizer.step(closure)`` (Lightning's automatic optimization, LBFGS):
+    forward, zero_grad and backward run inside the step, after its pre-hooks.
+    The check judged at the pre-hook, before any backward had reached the
+    watched gradients, and never saw them (faultbench
+    lightning-broken_update-s1 was missed). Cleared inside the closure: nothing."""
+    model = DDP(Net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def closure():
+        loss = model(torch.randn(4, 8)).sum()
+        if cleared:
+            opt.zero_grad()
+        loss.backward()
+        return loss
+
+    for _ in range(4):
+        opt.step(closure)
+    checks = {e.details["check"]: e.step for e in _events(agent, "broken_update")}
+    assert checks == ({} if cleared else {"grads_not_cleared": 1})
+
+
 def test_hooks_never_travel_with_a_copy_of_the_model(agent):
     net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
     model = DDP(net)

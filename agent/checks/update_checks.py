@@ -265,6 +265,8 @@ class UpdateChecks:
             self._recheck_until = step + 2  # the model or its optimizers changed: look again
         if self._checking(step):
             self._check_orphans(step)
+        if self._watch:  # still armed: the step ran its backward inside (a closure), judged now
+            self._stale_at_step(self.progress.lead_optimizer(), step, inside_done=True)
         # Every step (a few sampled elements of two gradients): clearing can stop mid-run
         # (a refactor, a patched zero_grad), and the verdict is due within 2 steps.
         self._arm_stale_watch(step)
@@ -358,10 +360,17 @@ class UpdateChecks:
             return
         self._read(local(grad.detach()), watch["index"], watch, "seen")
 
-    def _stale_at_step(self, optimizer: Any, step: int) -> None:
-        """Before the lead optimizer's next step: were its gradients cleared since the last one?"""
+    def _stale_at_step(self, optimizer: Any, step: int, inside_done: bool = False) -> None:
+        """Before the lead optimizer's next step: were its gradients cleared since the last one?
+        When no backward has reached a watched gradient yet, the step's own
+        closure will run it (``optimizer.step(closure)``: Lightning, LBFGS:
+        forward, zero_grad and backward run inside the step, after its
+        pre-hooks), so the judgement waits for the step's end
+        (``inside_done``), before the next watch is armed."""
         lead = self.progress.lead_optimizer()
         if not self._watch or (lead is not None and optimizer is not lead):
+            return
+        if not inside_done and not any(w["fired"] for w in self._watch):
             return
         for watch in self._watch:
             param = watch["param"]()
