@@ -469,6 +469,26 @@ def test_clean_exit_before_peers_connection_errors_is_the_culprit():
     assert sorted(c["ranks"][0] for c in verdicts[0].evidence["consequences"]) == [0, 2]
 
 
+def test_a_teardown_after_a_clean_exit_follows_from_it():
+    """Ray Train ends the worker group when one worker's function returns
+    (sys.exit(0) on a rank whose data ran out): its peer gets SIGTERM inside
+    the next allreduce. The rank that left is the culprit, not the one the
+    teardown killed first."""
+    from rankwatch.collector.analyses import run_all
+
+    run = RunState(run_id="r", world_size=2)
+    for r in range(2):
+        state = run.rank(r)
+        state.step, state.phase = 4, "backward"
+    leaver = run.ranks[1]
+    leaver.exit_code, leaver.exited_at = 0, T
+    leaver.events.append(wire.Event(kind="exit", at=T, step=4, details={"exit_code": 0, "phase": "forward"}))
+    killed = run.ranks[0]
+    killed.exit_code, killed.exited_at = -15, T + 0.5
+    killed.events.append(wire.Event(kind="exit", at=T + 0.5, step=4, details={"exit_code": -15, "phase": "backward"}))
+    assert [(v.kind, v.ranks, v.step) for v in run_all(run, T + 10, True)] == [("hang", [1], 4)]
+
+
 def test_a_peers_own_error_after_a_clean_exit_is_still_its_crash():
     run = _uneven_run(0, rank2_error=("KeyError", "'labels'", T - 5))
     from rankwatch.collector.analyses import run_all

@@ -158,8 +158,12 @@ def failures(run: RunState) -> list[Failure]:
         return f.kind == "signal" and f.exit_code is not None and -f.exit_code in TEARDOWN_SIGNALS
 
     others = [f for f in out if not is_teardown(f)]
+    # A rank that left cleanly before the teardown made the launcher stop the
+    # rest (Ray Train ends the worker group when one worker's function
+    # returns): the teardown follows from it (hang's left_the_loop names it).
+    left = any(left_cleanly_before(run, [f]) for f in out if is_teardown(f))
     for failure in out:
-        if is_teardown(failure) and (others or run.interrupted or run.aborted or failure is not out[0]):
+        if is_teardown(failure) and (others or run.interrupted or run.aborted or failure is not out[0] or left):
             failure.peer_caused = True
     if run.interrupted:
         for failure in out:
