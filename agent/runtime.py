@@ -292,6 +292,7 @@ class Agent:
         if dist.is_available():
             self.collectives.install(self.patches)
             self._wrap_init_process_group()
+            self._wrap_destroy_process_group()
 
         # Every wrapper takes (*args, **kwargs) and passes them on untouched, so
         # it accepts exactly the calls its original accepts (see patching.py).
@@ -401,6 +402,45 @@ class Agent:
         wrapper = self.patches.apply(c10d, "init_process_group", make)
         if wrapper is not None:
             self.patches.alias(dist, "init_process_group", original, wrapper)
+
+    def _wrap_destroy_process_group(self) -> None:
+        """The script is done with distributed work: what this rank recorded
+        goes out now, before torch's teardown runs. Teardown is where
+        torch 2.13's gloo deadlocks now and then: a worker thread frees the
+        last collective's tensors and waits for the GIL while the main thread
+        holds it, joining that worker in ~ProcessGroupGloo. That froze this
+        rank's heartbeat with the training's last second of records unsent
+        (a NaN's origin among them). The phase tells the collector a stall
+        from here on is on the way out, not in the training."""
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        progress = self.progress
+
+        def make(original):
+            @functools.wraps(original)
+            def destroy_process_group(*args, **kwargs):
+                group = args[0] if args else kwargs.get("group")
+                # Only the default group's end is the job's: code that builds and
+                # drops subgroups mid-training (a temporary TP group) goes on training.
+                if group is None or group is getattr(c10d.GroupMember, "WORLD", None):
+                    progress.set_phase("teardown")
+                    self._flush_before_teardown()
+                return original(*args, **kwargs)
+
+            return destroy_process_group
+
+        original = c10d.destroy_process_group
+        wrapper = self.patches.apply(c10d, "destroy_process_group", make)
+        if wrapper is not None:
+            self.patches.alias(dist, "destroy_process_group", original, wrapper)
+
+    TEARDOWN_FLUSH_S = 1.0  # the longest a teardown waits for the collector (once)
+
+    @guarded("agent.teardown")
+    def _flush_before_teardown(self) -> None:
+        self.progress.finish(grace_s=self.TEARDOWN_FLUSH_S)
+        self.send_heartbeat(final=True, timeout=self.TEARDOWN_FLUSH_S)
 
     def uninstall(self) -> None:
         """Undo install(): patches, hooks, heartbeat thread. For tests and for
@@ -791,17 +831,23 @@ class Agent:
             out["RSS"] = rss
         return out
 
-    def send_heartbeat(self, final: bool = False) -> None:
+    def send_heartbeat(self, final: bool = False, timeout: float = 2.0) -> None:
+        """One beat with what the collector has not acknowledged. ``final``:
+        sent even while the transport backs off, reply ignored (the rank is
+        on its way out)."""
         if not self.transport.configured:
             return
         if not final and not self.transport.available():
             return
-        with self._send_lock:
+        # Bounded: a teardown's flush does not wait out a beat stuck on a slow collector.
+        if not self._send_lock.acquire(timeout=timeout):
+            return
+        try:
             beat = self.make_heartbeat()
             try:
                 # Strict JSON (a NaN loss travels as "NaN"); the slow path only then.
                 body = wire.json_text(beat.body, compact=True).encode()
-                reply = self.transport.post("/v1/heartbeat", body, timeout=2.0)
+                reply = self.transport.post("/v1/heartbeat", body, timeout=timeout)
             except CollectorUnreachable:
                 self.progress.give_back(beat.steps, beat.marks)
                 with self._lock:
@@ -810,6 +856,8 @@ class Agent:
                 self._beat_state().failed = True
                 return
             self._beat_state().acked(beat)
+        finally:
+            self._send_lock.release()
         if self.transport.recovered:
             # The collector is back: bundles spooled while it was away go now.
             self.transport.recovered = False

@@ -264,6 +264,51 @@ def test_rank_frozen_holding_the_gil_is_the_hung_rank(tmp_path, how):
     print(f"\n[{how}] hang on {v['ranks']} step {v['step']}: time to verdict {_time_to_verdict(v)} s\n  {v['summary']}")
 
 
+_FROZEN_ON_THE_WAY_OUT = """
+import ctypes, time
+rank = dist.get_rank()
+model = DDP(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4)))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for step in range(10):
+    loss = model(torch.randn(16, 32)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    time.sleep(0.05)
+del model
+if rank == 1:
+    dist.destroy_process_group()
+    # As torch 2.13's gloo teardown deadlock does now and then: the main
+    # thread blocks in C holding the GIL (there, joining a worker thread
+    # that waits for the GIL). A second lock of a plain mutex never returns.
+    libc, mutex = ctypes.PyDLL(None), ctypes.create_string_buffer(64)
+    libc.pthread_mutex_lock(mutex)
+    libc.pthread_mutex_lock(mutex)
+"""
+
+
+def test_a_rank_frozen_on_its_way_out_is_named_and_the_one_that_exited_is_not(tmp_path):
+    """Every rank trained to the end; rank 0 exited cleanly and rank 1 froze
+    in teardown. Plain torchrun would wait forever. The hang is rank 1's, on
+    its way out; rank 0, which nobody waits for, is not named."""
+    script = ddp_script(tmp_path, "frozen_at_exit.py", _FROZEN_ON_THE_WAY_OUT)
+    job = run_job(tmp_path, ["--nproc-per-node", "2", "--hang-timeout", "5", str(script)])
+    assert job.exit_code != 0, "rankwatch ends a job that cannot end"
+    v = _one(job, "hang")
+    assert (v["ranks"], v["step"]) == ([1], 10), v
+    assert "stuck on its way out (in destroy_process_group or after it)" in v["summary"], v["summary"]
+    assert "rank 0 finished too and exited cleanly" in v["summary"], v["summary"]
+    assert "pthread_mutex_lock" in v["summary"], v["summary"]
+    assert v["evidence"]["ranks"]["0"]["exit_code"] == 0
+    # What rank 1 recorded went out before its teardown froze it (with its
+    # heartbeat thread): every step's record, the last one included.
+    from rankwatch.collector.offline import load
+
+    run, _ = load(job.run_dir)
+    assert max(run.ranks[1].steps, default=None) == 9, sorted(run.ranks[1].steps)
+    print(f"\nfrozen on the way out: {v['ranks']} step {v['step']}, job {job.elapsed:.1f} s\n  {v['summary']}")
+
+
 # -- the pure rules (no processes) ------------------------------------------------------------
 
 
@@ -383,6 +428,70 @@ def test_a_stale_rank_waiting_in_a_collective_is_not_frozen():
     v = hang.diagnose(run, incident)
     assert v.ranks == [1]  # still the rank behind, by the sequence numbers
     assert "never reached collective #40" in v.summary, v.summary
+
+
+# -- 3b. a rank stuck on its way out, after every rank finished ----------------------------------
+
+_GLOO_TEARDOWN = ('Thread 7 (idle): "MainThread"\n    std::thread::join (libstdc++.so.6.0.30)\n'
+                  '    c10d::ProcessGroupGloo::~ProcessGroupGloo (libtorch_cpu.so)\n'
+                  '    c10d::Reducer::~Reducer (libtorch_cpu.so)\n    pybind11_object_dealloc (libtorch_python.so)\n'
+                  '    <module> (train.py:81)\n')
+
+
+def _ended_run(*, left_step: int, left_forwards: int, peer_forwards: int, peer_phase: str,
+               left_seq: int = 7, peer_seq: int = 6) -> tuple[RunState, Incident]:
+    """Rank 0 exited cleanly; rank 1's heartbeat stopped (its native stack
+    as the supervisor took it: torch 2.13's gloo teardown deadlock, the
+    main thread joining a worker that waits for the GIL)."""
+    run = RunState(run_id="r", world_size=2)
+    incident = Incident(id="hang-1", kind="hang", opened_at=T + 5, last_progress_at=T, ready=True,
+                        details={"diagnosed_at": T + 6})
+    run.incidents.append(incident)
+    left, peer = run.rank(0), run.rank(1)
+    left.step, left.forwards, left.phase, left.enqueued = left_step, left_forwards, "exited", {"0": left_seq}
+    left.exit_code, left.exited_at = 0, T
+    peer.step, peer.forwards, peer.phase, peer.enqueued = 10, peer_forwards, peer_phase, {"0": peer_seq}
+    peer.last_heartbeat_at = T - 0.5
+    ev = RankEvidence(rank=1, reason="hang", created_at=T + 6, source="supervisor",
+                      stacks=[{"main": True, "owns_gil": True, "frames": [
+                          {"file": "/x/train.py", "line": 81, "name": "<module>", "code": "main()"}]}])
+    ev.native_stacks = _GLOO_TEARDOWN
+    peer.evidence["hang-1"] = ev
+    return run, incident
+
+
+@pytest.mark.parametrize("phase", ["teardown", "data"])
+def test_a_rank_stuck_after_every_rank_finished_is_named_not_the_one_that_exited(phase):
+    """Both ranks finished step 10; rank 0 exited cleanly, rank 1 froze on
+    its way out (a CI run named rank 0, "left the training loop ... while
+    the others still wait for it", and ended a job that had trained to the
+    end). Nobody waits for rank 0: rank 1 is the hang, in teardown. With the
+    agent's teardown phase, or without it (a script that never calls
+    destroy_process_group)."""
+    run, incident = _ended_run(left_step=10, left_forwards=10, peer_forwards=10, peer_phase=phase)
+    v = hang.diagnose(run, incident)
+    assert v.ranks == [1], v.summary
+    assert "finished training (step 10) and is stuck on its way out" in v.summary, v.summary
+    assert "rank 0 finished too and exited cleanly" in v.summary, v.summary
+    assert "~ProcessGroupGloo" in v.summary, v.summary
+    assert "waits for it" not in v.summary and "left the training loop" not in v.summary, v.summary
+    assert v.evidence["teardown"] is True
+
+
+@pytest.mark.parametrize("how", ["a_step_further", "mid_step", "a_collective_further"])
+def test_a_rank_that_left_before_its_peers_is_still_the_one_they_wait_for(how):
+    """The same shapes, but the peer went on past where rank 0 left: into
+    the next forward, in the middle of a step, or into a collective rank 0
+    never enqueued (an evaluation barrier after the loop)."""
+    shape = {"a_step_further": dict(left_step=10, left_forwards=10, peer_forwards=11, peer_phase="backward"),
+             "mid_step": dict(left_step=10, left_forwards=10, peer_forwards=10, peer_phase="optimizer"),
+             "a_collective_further": dict(left_step=10, left_forwards=10, peer_forwards=10, peer_phase="data",
+                                          peer_seq=8)}[how]
+    run, incident = _ended_run(**shape)
+    v = hang.diagnose(run, incident)
+    assert v.ranks == [0], v.summary
+    assert "left the training loop and exited (exit code 0)" in v.summary, v.summary
+    assert "Rank 1 waits for it" in v.summary, v.summary
 
 
 # -- 4. the hang summary always quotes the source line -------------------------------------------

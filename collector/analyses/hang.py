@@ -147,14 +147,15 @@ def _diagnose(run: RunState, incident: Incident, evidence: dict[int, RankEvidenc
 
     culprits: list[int] = []
     reason = ""
-    if exited and live:
-        culprits = exited
-        codes = sorted({run.ranks[r].exit_code for r in exited})
+    left_early = [r for r in exited if not finished_with_the_others(run, r, live)] if live else []
+    if left_early:
+        culprits = left_early
+        codes = sorted({run.ranks[r].exit_code for r in left_early})
         reason = (f"left the training loop and exited (exit code {', '.join(map(str, codes))}) "
                   f"while the others still wait for it")
     frozen = False
     if not culprits:
-        culprits, reason = _frozen(run, incident, live, evidence)
+        culprits, reason = _frozen(run, incident, live, evidence, others_left=bool(exited))
         frozen = bool(culprits)
     if not culprits:
         if len(ranks) > EVIDENCE_FROM_EVERY_RANK:
@@ -210,7 +211,12 @@ def _diagnose(run: RunState, incident: Incident, evidence: dict[int, RankEvidenc
     stack = fill_source(stack, run.all_evidence())
     step = _step_at_stall(state, incident, ev) if frozen else state.step
     culprit_set = set(culprits)
-    others = [r for r in ranks if r not in culprit_set]
+    others = [r for r in ranks if r not in culprit_set and r not in exited_set]  # those that wait
+    if culprits and not left_early and _on_the_way_out(run, culprits, exited):
+        # Training is over on every rank: the stall is in the exit (torch's
+        # teardown), and no peer waits for the culprit.
+        reason = _the_way_out(run, culprits, exited, reason)
+        details["teardown"] = True
     summary = f"{ranks_text(culprits).capitalize()} {reason}"
     if stack:
         location = where(stack)
@@ -265,11 +271,11 @@ def conclusive(run: RunState, incident: Incident, stale_after: float) -> bool:
     if len(run.ranks) <= EVIDENCE_FROM_EVERY_RANK:
         return False
     notable = run.notable_ranks()
-    if any(s.exit_code is not None and (s.exited_at or 0) <= incident.opened_at and not s.killed_by_rankwatch
-           for s in notable):
-        return True
     exited = {s.rank for s in notable if s.exit_code is not None}
     live = [r for r in run.ranks if r not in exited]
+    if any(s.exit_code is not None and (s.exited_at or 0) <= incident.opened_at and not s.killed_by_rankwatch
+           and not finished_with_the_others(run, s.rank, live) for s in notable):
+        return True
     if any(run.ranks[r].silent_for(incident.opened_at) > stale_after for r in live):
         return False  # a frozen rank is told by its outside stacks
     evidence = run.evidence_for(incident.id)
@@ -343,13 +349,59 @@ def _stack_outliers(live: list[int], evidence: dict[int, RankEvidence],
     return [], ""
 
 
+# -- ranks that left, and ranks on their way out ------------------------------------------
+
+MID_STEP_PHASES = ("forward", "backward", "optimizer")
+
+
+def finished_with_the_others(run: RunState, rank: int, live: list[int]) -> bool:
+    """Whether a rank that exited left with the others done with it: it
+    exited cleanly, and no live rank got further, by steps, forward passes
+    or collectives enqueued in a process group they share, or is in the
+    middle of a step. Such a rank finished its training like the rest; a
+    stall after it is not a wait for it (a peer stuck in torch's teardown).
+    A rank that left early has peers that went on into a step or a
+    collective it never joins."""
+    gone = run.ranks[rank]
+    if gone.exit_code != 0:
+        return False
+    for r in live:
+        state = run.ranks[r]
+        if state.step > gone.step or state.forwards > gone.forwards or state.phase in MID_STEP_PHASES:
+            return False
+        for pg, seq in list(state.enqueued.items()):
+            if seq > gone.enqueued.get(pg, seq):
+                return False
+    return True
+
+
+def _on_the_way_out(run: RunState, culprits: list[int], exited: list[int]) -> bool:
+    """The culprits stalled after their training: in torch's teardown
+    (destroy_process_group, seen by the agent), or at the step where the
+    ranks that exited cleanly finished."""
+    if all(run.ranks[r].phase == "teardown" for r in culprits):
+        return True
+    return bool(exited) and all(finished_with_the_others(run, r, culprits) for r in exited)
+
+
+def _the_way_out(run: RunState, culprits: list[int], exited: list[int], how: str) -> str:
+    steps = sorted({run.ranks[r].step for r in culprits})
+    text = (f"finished training (step {', '.join(map(str, steps))}) and is stuck on its way out"
+            f"{' (in destroy_process_group or after it)' if all(run.ranks[r].phase == 'teardown' for r in culprits) else ''}")
+    if "holding the GIL" in how:
+        text += ", frozen holding the GIL"
+    if exited:
+        text += f"; {ranks_text(exited)} finished too and exited cleanly"
+    return text
+
+
 # -- a rank frozen with the GIL held ------------------------------------------------
 
 STALE_HEARTBEAT_S = 3.0  # an incident that does not say (older index): 3 heartbeat intervals of 1 s
 
 
 def _frozen(run: RunState, incident: Incident, live: list[int],
-            evidence: dict[int, RankEvidence]) -> tuple[list[int], str]:
+            evidence: dict[int, RankEvidence], others_left: bool = False) -> tuple[list[int], str]:
     """Ranks whose heartbeat thread stopped while their peers' kept beating
     (the supervisor took their native stack: it does so only for such ranks,
     which also keeps this rule working offline from the bundles), and whose
@@ -370,7 +422,7 @@ def _frozen(run: RunState, incident: Incident, live: list[int],
         stack = outside_frames(ev)
         if (stack and not waits_in_collective(stack)) or (not stack and _main_owns_gil(ev)):
             frozen.append(r)
-    if not frozen or len(frozen) == len(live):
+    if not frozen or (len(frozen) == len(live) and not others_left):
         return [], ""  # every rank silent: a node-wide freeze, not one culprit
     held = any(_main_owns_gil(evidence[r]) for r in frozen)
     return sorted(frozen), ("is frozen in its own code" + (" holding the GIL" if held else "")
@@ -460,9 +512,16 @@ def _native_top(text: str) -> str:
         if _NATIVE_PY_FRAME.match(line) or any(g in frame for g in _GLUE):
             break
         names.append(frame)
-    if len(names) > 3:  # the innermost (where it waits) and the call the Python code made
-        names = [names[0], "...", names[-1]]
+    if len(names) > 3:
+        # The innermost (where it waits), the innermost of the program's own
+        # libraries (what it was doing: ~ProcessGroupGloo under a thread join),
+        # and the call the Python code made.
+        own = next((n for n in names[1:-1] if not _SYSTEM_FRAME.search(n)), None)
+        names = [names[0], *([own] if own else []), "...", names[-1]]
     return " <- ".join(names)
+
+
+_SYSTEM_FRAME = re.compile(r"^(std|__gnu_cxx)::|\((libc|libstdc\+\+|libpthread|libgcc_s|ld-linux)[-.\w]*\)")
 
 
 # -- a rank that left the loop while its peers were in a collective with it ------------
