@@ -535,7 +535,7 @@ def _attach_in_worker(attempt: int) -> None:
                 # sys.exit() in the training function: Ray reports it as the
                 # function's error, but it is the exit a process would make
                 # (sys.exit(0): a clean exit, e.g. a rank whose data ran out).
-                agent.shutdown(exit_code_of(exc))
+                agent.shutdown(_exit_code_of(exc))
                 raise
             except BaseException as exc:
                 agent.on_exception(exc)
@@ -638,7 +638,7 @@ def _exit_of(status) -> tuple[Optional[int], str]:
     if isinstance(error, UserExceptionWithTraceback):
         base = getattr(error, "_base_exc", None)
         if isinstance(base, SystemExit):  # sys.exit() in the training function: the exit a process makes
-            code = exit_code_of(base)
+            code = _exit_code_of(base)
             return code, "finished" if code == 0 else "exit"
         return 1, "exception"  # the agent reported the exception itself
     # The actor died (a signal, os._exit, the OOM killer): Ray's message lists
@@ -647,7 +647,7 @@ def _exit_of(status) -> tuple[Optional[int], str]:
     return -int(signal.SIGKILL), "actor died"
 
 
-def exit_code_of(exc: SystemExit) -> int:
+def _exit_code_of(exc: SystemExit) -> int:
     """The exit status Python gives ``raise SystemExit(code)``: 0 for None,
     the number itself, 1 for anything else (a message it prints)."""
     code = exc.code
