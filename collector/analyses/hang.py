@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import re
 import time
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from rankwatch import wire
@@ -81,14 +82,8 @@ def evidence_ranks(run: RunState, live: list[int], at: float, stale_after: float
     behind; then a few references. O(ranks)."""
     if len(live) <= EVIDENCE_FROM_EVERY_RANK:
         return list(live)
-    top: dict[str, int] = {}
-    max_step = 0
-    for r in live:
-        state = run.ranks[r]
-        max_step = max(max_step, state.step)
-        for pg, seq in list(state.enqueued.items()):
-            if seq > top.get(pg, -1):
-                top[pg] = seq
+    furthest = _furthest(run, live)
+    top, max_step = furthest.enqueued, furthest.step
     scored = []
     for r in live:
         state = run.ranks[r]
@@ -147,10 +142,10 @@ def _diagnose(run: RunState, incident: Incident, evidence: dict[int, RankEvidenc
 
     culprits: list[int] = []
     reason = ""
-    left_early = [r for r in exited if not finished_with_the_others(run, r, live)] if live else []
-    if left_early:
-        culprits = left_early
-        codes = sorted({run.ranks[r].exit_code for r in left_early})
+    leavers = left_early(run, exited, live) if live else []
+    if leavers:
+        culprits = leavers
+        codes = sorted({run.ranks[r].exit_code for r in leavers})
         reason = (f"left the training loop and exited (exit code {', '.join(map(str, codes))}) "
                   f"while the others still wait for it")
     frozen = False
@@ -212,7 +207,7 @@ def _diagnose(run: RunState, incident: Incident, evidence: dict[int, RankEvidenc
     step = _step_at_stall(state, incident, ev) if frozen else state.step
     culprit_set = set(culprits)
     others = [r for r in ranks if r not in culprit_set and r not in exited_set]  # those that wait
-    if culprits and not left_early and _on_the_way_out(run, culprits, exited):
+    if culprits and not leavers and _on_the_way_out(run, culprits, exited):
         # Training is over on every rank: the stall is in the exit (torch's
         # teardown), and no peer waits for the culprit.
         reason = _the_way_out(run, culprits, exited, reason)
@@ -273,8 +268,9 @@ def conclusive(run: RunState, incident: Incident, stale_after: float) -> bool:
     notable = run.notable_ranks()
     exited = {s.rank for s in notable if s.exit_code is not None}
     live = [r for r in run.ranks if r not in exited]
-    if any(s.exit_code is not None and (s.exited_at or 0) <= incident.opened_at and not s.killed_by_rankwatch
-           and not finished_with_the_others(run, s.rank, live) for s in notable):
+    before = [s.rank for s in notable if s.exit_code is not None and (s.exited_at or 0) <= incident.opened_at
+              and not s.killed_by_rankwatch]
+    if left_early(run, before, live):
         return True
     if any(run.ranks[r].silent_for(incident.opened_at) > stale_after for r in live):
         return False  # a frozen rank is told by its outside stacks
@@ -354,25 +350,45 @@ def _stack_outliers(live: list[int], evidence: dict[int, RankEvidence],
 MID_STEP_PHASES = ("forward", "backward", "optimizer")
 
 
-def finished_with_the_others(run: RunState, rank: int, live: list[int]) -> bool:
-    """Whether a rank that exited left with the others done with it: it
-    exited cleanly, and no live rank got further, by steps, forward passes
-    or collectives enqueued in a process group they share, or is in the
-    middle of a step. Such a rank finished its training like the rest; a
-    stall after it is not a wait for it (a peer stuck in torch's teardown).
-    A rank that left early has peers that went on into a step or a
-    collective it never joins."""
-    gone = run.ranks[rank]
-    if gone.exit_code != 0:
-        return False
-    for r in live:
+def left_early(run: RunState, exited: list[int], live: list[int]) -> list[int]:
+    """The ranks of ``exited`` that left before the others were done with
+    them: exited non-zero, or a live rank got further, by steps, forward
+    passes or collectives enqueued in a process group they share, or is in
+    the middle of a step. A rank that exited cleanly where the others
+    finished too trained to the end like them; a stall after it is not a
+    wait for it (a peer stuck in torch's teardown). O(live + exited): the
+    live ranks' furthest point is taken once."""
+    if not exited:
+        return []
+    ahead = _furthest(run, live)
+    out = []
+    for r in exited:
+        gone = run.ranks[r]
+        if (gone.exit_code != 0 or ahead.mid_step or ahead.step > gone.step or ahead.forwards > gone.forwards
+                or any(seq > gone.enqueued.get(pg, seq) for pg, seq in ahead.enqueued.items())):
+            out.append(r)
+    return out
+
+
+@dataclass
+class _Furthest:
+    step: int = 0
+    forwards: int = 0
+    mid_step: bool = False  # some rank is in a forward, backward or optimizer step
+    enqueued: dict[str, int] = field(default_factory=dict)  # per process group, the highest sequence number
+
+
+def _furthest(run: RunState, ranks: list[int]) -> _Furthest:
+    """How far the furthest of ``ranks`` got, by each measure. O(ranks)."""
+    out = _Furthest()
+    for r in ranks:
         state = run.ranks[r]
-        if state.step > gone.step or state.forwards > gone.forwards or state.phase in MID_STEP_PHASES:
-            return False
+        out.step, out.forwards = max(out.step, state.step), max(out.forwards, state.forwards)
+        out.mid_step = out.mid_step or state.phase in MID_STEP_PHASES
         for pg, seq in list(state.enqueued.items()):
-            if seq > gone.enqueued.get(pg, seq):
-                return False
-    return True
+            if seq > out.enqueued.get(pg, -1):
+                out.enqueued[pg] = seq
+    return out
 
 
 def _on_the_way_out(run: RunState, culprits: list[int], exited: list[int]) -> bool:
@@ -381,7 +397,7 @@ def _on_the_way_out(run: RunState, culprits: list[int], exited: list[int]) -> bo
     ranks that exited cleanly finished."""
     if all(run.ranks[r].phase == "teardown" for r in culprits):
         return True
-    return bool(exited) and all(finished_with_the_others(run, r, culprits) for r in exited)
+    return bool(exited) and not left_early(run, exited, culprits)
 
 
 def _the_way_out(run: RunState, culprits: list[int], exited: list[int], how: str) -> str:
