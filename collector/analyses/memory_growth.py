@@ -23,6 +23,12 @@ MIN_STEPS = 15
 WINDOW = 60
 MIN_SLOPE = 1 << 20  # 1 MiB per step
 STEADY = 0.6  # fraction of steps that grow
+# Growth from the first watched step is also what a job's warm-up looks like
+# (allocator arenas, per-shape caches under dynamic padding: a healthy T5
+# Seq2SeqTrainer rank grew 1.2 MiB a step over steps 5-40, 9 % of its RSS,
+# then stopped). Until it outlasts the window, such growth must have added
+# this share of the memory the rank had at the window's start.
+STARTUP_SHARE = 0.25
 
 
 FIELDS = (("device_allocated_bytes", "device memory"), ("rss_bytes", "host memory (RSS)"))
@@ -35,7 +41,7 @@ class Series:
     the steps that grew, and the value just before the first point (a
     start-up step, or the point the window last dropped), when known."""
 
-    __slots__ = ("_steps", "_values", "_times", "_head", "_count", "ups", "before")
+    __slots__ = ("_steps", "_values", "_times", "_head", "_count", "ups", "before", "slid")
 
     def __init__(self) -> None:
         self._steps = array("q", bytes(8 * WINDOW))
@@ -45,6 +51,7 @@ class Series:
         self._count = 0
         self.ups = 0
         self.before: Optional[float] = None
+        self.slid = False  # the window has dropped a point: it has seen WINDOW steps
 
     def _at(self, i: int) -> int:
         return (self._head + i) % WINDOW
@@ -58,6 +65,7 @@ class Series:
         if self._count == WINDOW:
             slot = self._head
             self.before = self._values[slot]
+            self.slid = True
             self._head = (self._head + 1) % WINDOW
         else:
             slot = self._at(self._count)
@@ -139,6 +147,18 @@ def onset(points: list[tuple[int, float, float]], slope: float = MIN_SLOPE, drif
         return points[0][0], points[0][2]  # growing from the window's first point, or before it
     start = points[min(last_low + 1, len(points) - 1)]
     return start[0], start[2]
+
+
+def beyond_warm_up(series: Series, began: int) -> bool:
+    """Whether growth cannot be a job's warm-up: it began after a flat
+    stretch (a leak that starts mid-run), or it has lasted the whole window,
+    or it has added STARTUP_SHARE of the memory the rank had at the window's
+    start (a 16 MiB/step leak in a 400 MiB process does in 7 steps)."""
+    points = series.points
+    if series.slid or began > points[0][0] + 1:
+        return True
+    base = points[0][1]
+    return base <= 0 or points[-1][1] - base >= STARTUP_SHARE * base
 
 
 def _growth(series: Series) -> Optional[dict]:
@@ -250,6 +270,8 @@ class Tracker:
             if g["bytes_per_step"] > 4 * max(peer_slope, 0.0) + MIN_SLOPE / 2:
                 series = per_rank[rank]
                 began, began_at = onset(series.points, g["bytes_per_step"], peer_slope, series.before)
+                if not beyond_warm_up(series, began):
+                    continue
                 leaking[rank] = {**g, "peer_bytes_per_step": peer_slope, "onset_step": began, "onset_at": began_at}
         if not leaking or (len(run.ranks) > 1 and len(leaking) == len(run.ranks)):
             return
