@@ -14,12 +14,15 @@ from rankwatch.collector.state import RunState
 T0 = float(int(time.time()) + 100_000)
 
 
-def _run(rss_growth_per_step: int, slow_every: int = 0, ranks: int = 3, steps: int = 60) -> RunState:
+def _run(rss_growth_per_step: int, slow_every: int = 0, ranks: int = 3, steps: int = 60,
+         growth_from: int = 8) -> RunState:
+    """Rank 0's RSS grows from `growth_from`, after a flat stretch (growth
+    from start-up must also outlast warm-up: test_analyses_incremental)."""
     run = RunState(run_id="m", world_size=ranks)
     for step in range(steps):
         for rank in range(ranks):
             compute = 0.05 + (0.2 if rank == 1 and slow_every and step % slow_every == 0 else 0.0)
-            rss = (1 << 30) + (step * rss_growth_per_step if rank == 0 else 0)
+            rss = (1 << 30) + (max(0, step - growth_from) * rss_growth_per_step if rank == 0 else 0)
             run.rank(rank).add_step(wire.StepRecord(step=step, started_at=T0 + step, ended_at=T0 + step + 0.1,
                                                     compute_s=compute, data_s=0.001, loss=1.0, grad_norm=1.0,
                                                     rss_bytes=rss))

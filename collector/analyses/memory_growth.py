@@ -216,9 +216,10 @@ class Tracker:
     def _margin(self, run: RunState, field: str, step: int) -> None:
         """How close a rank came: the smallest of its share of growing steps
         against STEADY, its growth per step (the Theil-Sen slope the verdict
-        uses) against MIN_SLOPE, and that growth against what its peers'
-        would have to stay under (4x theirs + MIN_SLOPE / 2), as a leak must
-        pass all three: ranks that grow alike (allocators warming up on every
+        uses) against MIN_SLOPE, that growth against what its peers'
+        would have to stay under (4x theirs + MIN_SLOPE / 2), and for growth
+        from start-up what it added against STARTUP_SHARE of the rank's
+        memory, as a leak must pass all of them: ranks that grow alike (allocators warming up on every
         rank) are not half a leak. The slope and the peers' growth are
         computed only when the O(1) share-and-growth figure reaches a new
         high for the run (a bounded number of times)."""
@@ -234,9 +235,14 @@ class Tracker:
         # The growth the verdict judges: the Theil-Sen slope, which one
         # transient step (glibc handing an arena back a few steps later) does
         # not move, unlike the window's first-to-last growth.
-        g = _growth(per_rank[best_rank])
+        series = per_rank[best_rank]
+        g = _growth(series)
         slope = g["bytes_per_step"] if g is not None else 0.0
         best = min(best, slope / MIN_SLOPE)
+        if g is not None and not beyond_warm_up(series, g["onset_step"]):
+            points = series.points  # growth from start-up: how much of the share it has added
+            base = points[0][1]
+            best = min(best, (points[-1][1] - base) / (STARTUP_SHARE * base))
         others = [r for r in per_rank if r != best_rank and len(per_rank[r]) >= MIN_STEPS]
         if others:
             sample = others if len(others) <= PEER_SAMPLE else others[:: len(others) // PEER_SAMPLE]
