@@ -478,6 +478,21 @@ def test_a_rank_stuck_after_every_rank_finished_is_named_not_the_one_that_exited
     assert v.evidence["teardown"] is True
 
 
+def test_every_rank_stuck_in_teardown_is_named_on_its_way_out():
+    """NCCL's destroy can hang on every rank at once: no rank stands out,
+    every rank finished its training, and the summary says where they are."""
+    run, incident = _ended_run(left_step=10, left_forwards=10, peer_forwards=10, peer_phase="teardown", peer_seq=7)
+    gone = run.ranks[0]
+    gone.exit_code, gone.exited_at, gone.phase = None, None, "teardown"
+    gone.last_heartbeat_at = run.ranks[1].last_heartbeat_at = T + 4.5  # both beating, waiting in C
+    run.ranks[1].evidence.clear()
+    v = hang.diagnose(run, incident)
+    assert v.ranks == [0, 1], v.summary
+    assert v.summary.startswith("Ranks 0, 1 finished training (step 10) and are stuck on their way out "
+                                "(in destroy_process_group or after it)"), v.summary
+    assert v.evidence["teardown"] is True
+
+
 @pytest.mark.parametrize("how", ["a_step_further", "mid_step", "a_collective_further"])
 def test_a_rank_that_left_before_its_peers_is_still_the_one_they_wait_for(how):
     """The same shapes, but the peer went on past where rank 0 left: into

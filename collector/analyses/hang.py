@@ -402,8 +402,9 @@ def _on_the_way_out(run: RunState, culprits: list[int], exited: list[int]) -> bo
 
 def _the_way_out(run: RunState, culprits: list[int], exited: list[int], how: str) -> str:
     steps = sorted({run.ranks[r].step for r in culprits})
-    text = (f"finished training (step {', '.join(map(str, steps))}) and is stuck on its way out"
-            f"{' (in destroy_process_group or after it)' if all(run.ranks[r].phase == 'teardown' for r in culprits) else ''}")
+    in_teardown = all(run.ranks[r].phase == "teardown" for r in culprits)
+    text = (f"finished training (step {', '.join(map(str, steps))}) and {verb(culprits, 'is', 'are')} stuck on "
+            f"{verb(culprits, 'its', 'their')} way out{' (in destroy_process_group or after it)' if in_teardown else ''}")
     if "holding the GIL" in how:
         text += ", frozen holding the GIL"
     if exited:
