@@ -59,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(command: str, rest: list[str]) -> int:
+    if command in ("run", "exec"):
+        from . import slurm
+
+        slurm.note_warnings_early(os.environ)
     if command == "run":
         from .node.launcher import run
 

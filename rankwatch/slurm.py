@@ -25,7 +25,9 @@ import hashlib
 import os
 import re
 import shutil
+import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional
@@ -38,6 +40,35 @@ SCONTROL_TIMEOUT_S = 5.0  # a slurmctld that does not answer must not hold up th
 # (32768+) so no outgoing connection holds one by chance.
 RDZV_PORT_BASE = 20000
 RDZV_PORT_SPAN = 10000
+
+
+# A `--signal=USR1@N` warning (or USR2) can come while `rankwatch run` or
+# `rankwatch exec` is still starting: slurmctld's timer ticks every 30 s, so
+# with a short job it comes 10 s in, while the launcher still imports torch
+# on a loaded node. Without a handler it ends rankwatch at once (CI: "srun:
+# error: task 0: User defined signal 1", no report). So it is noted from the
+# CLI's first lines, and the launcher's record of outside signals starts
+# with it.
+WARNING_SIGNALS = ("SIGUSR1", "SIGUSR2")
+early_warnings: list[tuple[int, float]] = []  # (signal number, time), before the launcher took over
+
+
+def note_warnings_early(env: Mapping[str, str]) -> None:
+    """Inside a Slurm job, note its warning signals from now on (signals
+    that already have a handler keep it)."""
+    if not env.get("SLURM_JOB_ID") or threading.current_thread() is not threading.main_thread():
+        return
+    for name in WARNING_SIGNALS:
+        sig = getattr(signal, name, None)
+        try:
+            if sig is not None and signal.getsignal(sig) in (signal.SIG_DFL, None):
+                signal.signal(sig, _note_early)
+        except (ValueError, OSError):
+            pass
+
+
+def _note_early(signum: int, frame: object) -> None:
+    early_warnings.append((signum, time.time()))
 
 
 class SlurmError(RuntimeError):

@@ -164,3 +164,29 @@ def test_termination_is_validated_like_any_wire_input():
             wire.decode(wire.Termination, dict(good, **bad))
     report = wire.Report(run_id="r", world_size=1, status="healthy")
     assert wire.to_dict(report)["termination"] is None
+
+
+def test_a_warning_signal_while_rankwatch_starts_is_noted_not_fatal(monkeypatch):
+    """A --signal=USR1@N warning that comes before the launcher installed its
+    handlers (CI: the task died by SIGUSR1 with no report) is noted from the
+    CLI's first lines and starts the launcher's record of outside signals."""
+    import os
+    import signal
+
+    from rankwatch.node import launcher
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGUSR2)}
+    monkeypatch.setattr(slurm, "early_warnings", [])
+    try:
+        slurm.note_warnings_early({})  # outside Slurm: nothing changes
+        assert signal.getsignal(signal.SIGUSR1) == previous[signal.SIGUSR1]
+        slurm.note_warnings_early({"SLURM_JOB_ID": "42"})
+        os.kill(os.getpid(), signal.SIGUSR1)  # the default action would end this test process
+        assert [s for s, _ in slurm.early_warnings] == [signal.SIGUSR1]
+        ending = launcher._OutsideEnding()
+        assert ending.signal == "SIGUSR1" and ending.at == slurm.early_warnings[0][1]
+        ending.note(signal.SIGTERM)  # the first signal is the one the report names
+        assert ending.signal == "SIGUSR1"
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -209,10 +209,12 @@ class _OutsideEnding:
     def __init__(self) -> None:
         self.signal: Optional[str] = None
         self.at: float = 0.0
+        for signum, at in slurm.early_warnings:  # a warning that came while rankwatch was starting
+            self.note(signum, at)
 
-    def note(self, signum: int) -> None:
+    def note(self, signum: int, at: Optional[float] = None) -> None:
         if self.signal is None:
-            self.signal, self.at = signal.Signals(signum).name, time.time()
+            self.signal, self.at = signal.Signals(signum).name, time.time() if at is None else at
 
 
 @contextlib.contextmanager
