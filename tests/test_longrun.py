@@ -17,7 +17,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from conftest import worker_env
+from conftest import TORCH_TEARDOWN_ABORT, worker_env
 
 RANKS = 8
 STEPS = int(os.environ.get("RANKWATCH_LONGRUN_STEPS", "2500"))  # ~80 s for both runs here
@@ -85,9 +85,15 @@ def test_long_healthy_run_no_verdict_and_cheap_launcher(tmp_path):
     assert code == 0, output[-3000:]
     report = json.loads((run_dir / "report.json").read_text())
     assert report["status"] == "healthy" and report["verdicts"] == [], json.dumps(report)[:3000]
-    code, tr_cpu, tr_wall, output = _launch(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(RANKS), str(script), str(STEPS)],
-        tmp_path, timeout=LAUNCH_TIMEOUT)
+    for attempt in range(3):
+        code, tr_cpu, tr_wall, output = _launch(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(RANKS), str(script), str(STEPS)],
+            tmp_path, timeout=LAUNCH_TIMEOUT)
+        # The baseline only measures plain torchrun's launcher. Torch's own gloo
+        # teardown abort hit one of its 8 ranks in a CI run (SIGABRT after the
+        # training, no rankwatch anywhere): that run is measured again.
+        if code == 0 or TORCH_TEARDOWN_ABORT not in output:
+            break
     assert code == 0, output[-3000:]
     rw_percent, tr_percent = 100 * rw_cpu / rw_wall, 100 * tr_cpu / tr_wall
     figures = {"ranks": RANKS, "steps": STEPS,

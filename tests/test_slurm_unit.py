@@ -178,8 +178,12 @@ def test_a_warning_signal_while_rankwatch_starts_is_noted_not_fatal(monkeypatch)
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGUSR2)}
     monkeypatch.setattr(slurm, "early_warnings", [])
     try:
+        # As in a fresh `rankwatch` process: no handler yet (an earlier test in
+        # this process may have left one, which note_warnings_early would keep).
+        for sig in previous:
+            signal.signal(sig, signal.SIG_DFL)
         slurm.note_warnings_early({})  # outside Slurm: nothing changes
-        assert signal.getsignal(signal.SIGUSR1) == previous[signal.SIGUSR1]
+        assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
         slurm.note_warnings_early({"SLURM_JOB_ID": "42"})
         os.kill(os.getpid(), signal.SIGUSR1)  # the default action would end this test process
         assert [s for s, _ in slurm.early_warnings] == [signal.SIGUSR1]
@@ -187,6 +191,9 @@ def test_a_warning_signal_while_rankwatch_starts_is_noted_not_fatal(monkeypatch)
         assert ending.signal == "SIGUSR1" and ending.at == slurm.early_warnings[0][1]
         ending.note(signal.SIGTERM)  # the first signal is the one the report names
         assert ending.signal == "SIGUSR1"
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # a handler already there (the user's) is kept
+        slurm.note_warnings_early({"SLURM_JOB_ID": "42"})
+        assert signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
