@@ -17,7 +17,7 @@ A culprit rank counts as stuck when one of these holds:
    thread that waits on a socket for an upload wakes as bytes go out; a
    thread asleep or blocked for good never does; file bytes and wake-ups
    are those of the threads that run Python, since native library threads
-   such as CUDA's wake on timers of their own, see agent/core/activity.py). A
+   such as OpenMP's wake on timers of their own, see agent/core/activity.py). A
    rank asleep, blocked in a collective the
    others never join or on a lock does nothing; a rank uploading,
    evaluating or writing does. (Sampled by the rank's agent, agent/core/activity.py,

@@ -52,12 +52,13 @@ def sample(pid: Optional[int] = None, skip_threads: Optional[set[int]] = None,
     count with their CPU alone: a rank's own work through a stall (an
     upload, an evaluation, a checkpoint) runs in Python threads or child
     processes, while native library threads wake on timers of their own
-    whether the rank works or not (CUDA's event handler and the driver's
-    threads in every CUDA process, OpenMP's pool), and some read an eventfd
-    as they wake, which /proc counts as bytes read. Such a poller's wake-ups
-    had a CUDA rank asleep in time.sleep() never judged idle (an H200,
-    2026-11-26: named as hung in 5 s, still not ended 60 s later). A native
-    thread that does real work shows by its CPU."""
+    whether the rank works or not (OpenMP's pool, a tokenizer's), and some
+    read an eventfd as they wake, which /proc counts as bytes read. Such a
+    poller's wake-ups had a CUDA rank asleep in time.sleep() never judged
+    idle (an H200, 2026-11-26: named as hung in 5 s, still not ended 60 s
+    later). A native thread that does real work shows by its CPU. The
+    communication libraries' and CUDA's own threads (MACHINERY_THREADS) are
+    left out altogether."""
     own = pid is None or pid == os.getpid()
     pid = os.getpid() if pid is None else pid
     skip = own_thread_ids() if skip_threads is None and own else (skip_threads or set())
@@ -84,12 +85,17 @@ def sample(pid: Optional[int] = None, skip_threads: Optional[set[int]] = None,
     return cpu, io, switches
 
 
-# Threads of the communication libraries (by the names they give their OS
-# threads): they poll and keep connections alive whether or not the rank
-# works (gloo's loop thread: ~5 ms a second in a rank asleep; NCCL's proxy
-# and torch's NCCL watchdog poll), and the work done through them shows as
-# collectives completing, which is progress already.
-MACHINERY_THREADS = ("rankwatch", "gloo", "pt_nccl", "NCCL", "nccl")
+# Threads of the communication libraries and of CUDA itself (by the names
+# they give their OS threads): they poll and keep connections alive whether
+# or not the rank works (gloo's loop thread: ~5 ms a second in a rank asleep;
+# NCCL's proxy and torch's NCCL watchdog poll), and the work done through
+# them shows as collectives and kernels completing, which is progress
+# already. CUDA's runtime starts "cuda-EvtHandlr" and the driver threads
+# named "cuda" + hex in every CUDA process: on an H200 (Linux 6.18, torch
+# 2.11+cu130, 2026-11-27) the event handler alone used 0.8 ms a second in a
+# rank asleep in time.sleep(), 80 % of the idle bound (collector/stuck.py),
+# and one DDP rank in two runs was never judged idle (not ended in 90 s).
+MACHINERY_THREADS = ("rankwatch", "gloo", "pt_nccl", "NCCL", "nccl", "cuda")
 
 
 def _machinery(base: str) -> bool:
