@@ -167,6 +167,34 @@ def test_gpu_nan_in_gradients_is_named_a_step_later(agent, gpu):
     assert _records(agent)[4].nonfinite_grads == 1
 
 
+def test_gpu_probe_names_the_poisoned_parameter_on_a_sampled_out_step(agent, gpu):
+    """On steps the full check is sampled out, each parameter's probe values
+    are gathered in its hook and judged together at the backward's end (one
+    indexed count for all parameters): the count must land on the parameter
+    it came from, whichever one it is."""
+    class Still(torch.optim.SGD):  # steps (the hooks run) but leaves the weights alone: no NaN carried over
+        def step(self, closure=None):
+            return None
+
+    model = DDP(_net())
+    opt = Still(model.parameters(), lr=0.0)
+    checker = next(e for e in agent.extensions if type(e).__name__ == "GradChecker")
+    _train(model, opt, 4)
+    checker.stride = 4  # steps 5, 6 and 7 are probe steps
+    _train(model, opt, 1)  # step 4: a full check
+    for name in ("2.weight", "4.bias", "0.weight"):
+        module, kind = name.split(".")
+        handle = getattr(model.module[int(module)], kind).register_hook(lambda grad: grad * float("nan"))
+        _train(model, opt, 1)
+        handle.remove()
+    _train(model, opt, 2)
+    records = _records(agent)
+    assert records[4].grad_norm is not None and records[8].grad_norm is not None, "full checks on steps 4 and 8"
+    assert [records[s].nonfinite_grads for s in (4, 5, 6, 7, 8)] == [0, 1, 1, 1, 0]
+    bad = {e.step: e.details["parameters"] for e in agent.events_log if e.kind == "nonfinite"}
+    assert (bad.get(5), bad.get(6), bad.get(7)) == (["2.weight"], ["4.bias"], ["0.weight"]), bad
+
+
 # -- finding 4: device time ------------------------------------------------------------
 
 

@@ -198,6 +198,7 @@ class GradChecker:
         self._probe_round = 0
         self._total_elements = max(1, sum(p.numel() for _, p in params))
         self._probe_layout: dict[int, tuple[tuple[int, int], list[torch.Tensor]]] = {}
+        self._owners: Optional[tuple[tuple, torch.Tensor]] = None  # see _probe_owners
         self._bad: dict[int, tuple[list[str], str]] = {}  # step -> what was not finite
         self._handles = []
         self.python_reducer = ddp is not None and uses_python_reducer(ddp)
@@ -230,7 +231,7 @@ class GradChecker:
             _CHECKERS.remove(self)
         self.params, self.names, self.order = [], {}, {}
         self._values, self._names, self._last_grad, self._step_values = [], [], None, None
-        self._probe_layout = {}
+        self._probe_layout, self._owners = {}, None
 
     # -- a user's comm hook: its collectives are the gradient reduction -------------
     def register(self, original_register, state, user_hook):
@@ -289,9 +290,13 @@ class GradChecker:
         positions = self._probe_positions(param, grad)
         if positions is None:
             return
-        # Non-finite elements among a few: one gather, one count (float32 sums: no overflow).
-        self._values.append(torch.isfinite(grad.detach().reshape(-1).take(positions)).logical_not_().sum(
-            dtype=torch.float32))
+        # A few elements, gathered now (before DDP's hook copies the gradient
+        # into its bucket): one kernel here, in the middle of the backward.
+        # They are judged together at its end (`_probe_counts`): the gather,
+        # finiteness test and count per parameter were four launches each.
+        # (take indexes the tensor as if flattened: no reshape, which would
+        # copy a non-contiguous gradient such as a channels_last one.)
+        self._values.append(torch.take(grad.detach(), positions))
         self._names.append(self.names.get(id(param), "?"))
         self._probe_spent += time.perf_counter() - started
 
@@ -324,10 +329,36 @@ class GradChecker:
             if self._values and not self._skip_backward:
                 # One vector per backward; a later backward of the same step
                 # (accumulation, a step GradScaler skipped) supersedes it.
-                self._step_values = (tuple(self._names), torch.stack(self._values),
-                                     "norms" if self._sampled else "probe")
+                if self._sampled:
+                    self._step_values = (tuple(self._names), torch.stack(self._values), "norms")
+                else:
+                    started = time.perf_counter()
+                    self._step_values = (tuple(self._names), self._probe_counts(self._values), "probe")
+                    self._probe_spent += time.perf_counter() - started
         finally:
             self._names, self._values, self._last_grad = [], [], None
+
+    def _probe_counts(self, gathered: list[torch.Tensor]) -> torch.Tensor:
+        """Non-finite elements per parameter (float32, in hook order) of this
+        backward's gathered probe values: a fixed number of launches per
+        backward whatever the number of parameters (cat, test, one indexed
+        sum over each element's parameter number)."""
+        flat = torch.cat(gathered)
+        bad = torch.isfinite(flat).logical_not_().to(torch.float32)
+        owners = self._probe_owners(gathered, flat.device)
+        return torch.zeros(len(gathered), dtype=torch.float32, device=flat.device).index_add_(0, owners, bad)
+
+    def _probe_owners(self, gathered: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """Each gathered element's parameter number, kept while the sizes in
+        hook order stay the same (a model's backward runs its parameters in
+        the same order step after step). Made on the device by fills: a
+        host-built index copied over would be a blocking copy (issue 25,
+        finding 1)."""
+        key = (tuple(t.numel() for t in gathered), device)
+        if self._owners is None or self._owners[0] != key:
+            self._owners = (key, torch.cat([torch.full((t.numel(),), i, dtype=torch.int64, device=device)
+                                             for i, t in enumerate(gathered)]))
+        return self._owners[1]
 
     def _probe_positions(self, param, grad: torch.Tensor) -> Optional[torch.Tensor]:
         """This step's probe positions in the gradient: about
