@@ -42,6 +42,12 @@ def main():
         params = sum(p.numel() for p in model.parameters())
         times.sort()
         print(f"STEP_TIME {sum(times) / len(times):.6f} MEDIAN {times[len(times) // 2]:.6f} PARAMS {params}", flush=True)
+    # Nothing may hold DDP at destroy_process_group: torch 2.13's gloo teardown
+    # aborts otherwise now and then (a bench run of plain torchrun died of it).
+    del model, opt
+    import gc
+
+    gc.collect()
     dist.destroy_process_group()
 
 
