@@ -342,7 +342,9 @@ class GradChecker:
         """Non-finite elements per parameter (float32, in hook order) of this
         backward's gathered probe values: a fixed number of launches per
         backward whatever the number of parameters (cat, test, one indexed
-        sum over each element's parameter number)."""
+        sum over each element's parameter number). Run under the device
+        doubles only: never on a GPU yet (index_add_ on CUDA adds by atomics;
+        counts of 0/1 in float32 are exact in any order)."""
         flat = torch.cat(gathered)
         bad = torch.isfinite(flat).logical_not_().to(torch.float32)
         owners = self._probe_owners(gathered, flat.device)
