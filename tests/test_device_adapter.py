@@ -448,3 +448,32 @@ def test_event_work_creates_no_context_on_the_current_device(monkeypatch):
     assert adapter.ready(end)
     assert adapter.elapsed_s(start, end) is not None
     assert cuda.contexts == {1}, f"contexts on devices {sorted(cuda.contexts)}: GPU 0 got one"
+
+
+def test_deferred_values_flatten_in_a_few_launches_to_the_same_floats():
+    """DeferredReads.submit's flattening: the same float32 vector as a
+    detach/reshape/float per value (mixed dtypes and shapes, a value that
+    requires grad), always a new tensor (the host adapter reads it later as
+    it is), in a number of launches that does not grow with the scalars."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    values = [torch.tensor(1.5), torch.tensor(2.0, dtype=torch.float64), torch.ones(3, dtype=torch.bfloat16),
+              torch.tensor(7), torch.arange(4.0).reshape(2, 2), torch.tensor(3.0, requires_grad=True) * 2,
+              torch.tensor(True)]
+    expected = torch.cat([v.detach().reshape(-1).float() for v in values])
+    got = device_mod._flat_float32(values)
+    assert got.dtype == torch.float32 and not got.requires_grad and torch.equal(got, expected)
+    one = torch.arange(3.0)
+    assert device_mod._flat_float32([one]).data_ptr() != one.data_ptr()
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    scalars = [torch.tensor(float(i)) for i in range(200)]
+    with Count():
+        device_mod._flat_float32(scalars)
+    assert Count.calls <= 4, Count.calls  # was 3 a value
