@@ -114,7 +114,7 @@ class UpdateChecks:
         # grads_not_cleared
         self._watch: list[dict[str, Any]] = []
         self._picks: Optional[tuple[tuple, list[tuple[str, Any]]]] = None  # see _stale_picks
-        self._indices: dict[tuple, torch.Tensor] = {}  # see _sample_index
+        self._indices: dict[tuple, torch.Tensor] = {}  # see _index_for
         self._closed: list[dict[str, Any]] = []  # watches waiting for their device values
         self._zeroed = False
         # unreduced_backward
@@ -301,7 +301,7 @@ class UpdateChecks:
             return
         for name, param in self._stale_picks(self.progress.lead_optimizer()):
             grad = local(param.grad.detach())
-            index = self._sample_index(grad)
+            index = self._index_for(grad)
             watch: dict[str, Any] = {"name": name, "param": weakref.ref(param), "grad": weakref.ref(param.grad),
                                      "index": index, "before": None, "seen": None, "step": step,
                                      "fired": False, "cleared": False}
@@ -331,13 +331,16 @@ class UpdateChecks:
                 return kept
         members = {id(p) for g in groups for p in g.get("params", [])}
         candidates = [(n, p) for n, p in self.models.named_parameters() if id(p) in members and _watchable(p)]
-        picks = ([candidates[0]] + ([candidates[len(candidates) // 2]] if len(candidates) > 2 else []))[:SAMPLE_PARAMS] \
-            if candidates else []
-        self._picks = (key, [(n, weakref.ref(p)) for n, p in picks]) if picks else None
+        if not candidates:
+            self._picks = None
+            return []
+        picks = [candidates[0]] + ([candidates[len(candidates) // 2]] if len(candidates) > 2 else [])
+        picks = picks[:SAMPLE_PARAMS]
+        self._picks = (key, [(n, weakref.ref(p)) for n, p in picks])
         return picks
 
-    def _sample_index(self, grad: torch.Tensor) -> torch.Tensor:
-        """`_sample_index` of the gradient, kept per (size, device): read only."""
+    def _index_for(self, grad: torch.Tensor) -> torch.Tensor:
+        """`_sample_index(grad)`, kept per (size, device): only ever read."""
         key = (grad.numel(), grad.device)
         index = self._indices.get(key)
         if index is None:

@@ -418,9 +418,9 @@ def _flat_float32(values: list[torch.Tensor]) -> torch.Tensor:
     """The values as one detached float32 vector, in order, in a few
     launches whatever their number: runs of scalars stacked at once, one
     cat (which promotes mixed dtypes exactly, and always makes a new
-    tensor), one conversion. A detach,
-    reshape and conversion per value were 3 launches each (~600 for the
-    update check's per-parameter norms of a 200-parameter model)."""
+    tensor), one conversion. A detach, reshape and conversion per value
+    were 3 launches each (~600 for the update check's per-parameter norms
+    of a 200-parameter model)."""
     parts: list[torch.Tensor] = []
     scalars: list[torch.Tensor] = []
     for v in values:
