@@ -313,8 +313,12 @@ class Agent:
         self.patches.apply(DistributedDataParallel, "__init__",
                            after_call(lambda _, ddp, *a, **k: self.on_ddp_created(ddp)))
         from .watch import fsdp
+        from .watch.stream_waits import StreamWaits
 
         fsdp.install(patches=self.patches, imports=self.imports, on_sharded=self.on_model_sharded)
+        # The compute stream's stalls behind peers (FSDP2 on a GPU), taken out
+        # of compute_s; patches a device's stream class when a step first runs on one.
+        progress.waits = StreamWaits(patches=self.patches, budget=self.config.grad_check_budget)
         self._wrap_dataloader_epochs()
         self._wrap_checkpointing()
 

@@ -8,6 +8,7 @@ events show a user. Cheap: about a second each.
 from __future__ import annotations
 
 import os
+import types
 
 import pytest
 import torch
@@ -24,9 +25,9 @@ from rankwatch.agent.runtime import Agent
 def agent_on_double(world):
     made = []
 
-    def make(**config):
+    def make(double_options=None, **config):
         safety._disabled.clear()
-        double = device_mod.GpuLikeDouble(device=1, current=0, latency_s=0.0)
+        double = device_mod.GpuLikeDouble(device=1, current=0, latency_s=0.0, **(double_options or {}))
         device_mod.install(double)
         agent = Agent(config_mod.Config(**config),
                       wire.RankIdentity(run_id="findings", rank=0, local_rank=0, world_size=1, node_rank=0,
@@ -134,3 +135,97 @@ def test_step_timing_stands_without_the_gradient_checker(agent_on_double, config
     records = list(agent.progress.recent)
     assert len(records) == 6
     assert all(r.compute_s is not None for r in records[1:]), [r.compute_s for r in records]
+
+
+# -- finding 5 -----------------------------------------------------------------------------
+
+
+def _sharded_like_fsdp2(double, width=192):
+    """A model whose every layer waits, as FSDP2's do, on a collective queued
+    on a side stream, in the forward (the unshard's all-gather) and in the
+    backward (the unshard again): ``current_stream().wait_event(event)``
+    through the stream API the double serves. The double's peer is slower
+    (``peer_slowdown``), so the compute stream stalls at every wait."""
+    streams = types.SimpleNamespace()
+    double.serve_streams(streams)
+    side = streams.Stream()
+
+    def all_gather(*_):
+        with streams.stream(side):
+            event = side.record_event()
+        streams.current_stream().wait_event(event)
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(width, width) for _ in range(4)]
+    for layer in layers:
+        layer.register_forward_pre_hook(all_gather)
+        layer.register_full_backward_pre_hook(all_gather)
+    return DDP(torch.nn.Sequential(*layers)), streams, side
+
+
+def _train(agent, model, steps, width=192):
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(256, width)).pow(2).mean().backward()
+        opt.step()
+    agent.progress.finish()
+    return list(agent.progress.recent)
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+def test_compute_time_leaves_out_the_stalls_behind_a_slower_peer(agent_on_double):
+    """On a GPU, FSDP2's collectives return at once and the compute stream
+    waits on them: a fast rank's device span from its first forward to its
+    backward's end holds its stalls behind the slow rank, and compute_s came
+    out the slow rank's on every rank. The peer here is 8x slower: the
+    step's time is mostly stalls, and compute_s must be the rank's own work."""
+    agent, double = agent_on_double(double_options={"peer_slowdown": 8.0}, grad_check_budget=1.0)
+    model, _, _ = _sharded_like_fsdp2(double)
+    records = _train(agent, model, 30)[10:]
+    timed = [r for r in records if r.compute_s is not None]
+    assert len(timed) >= len(records) - 2, [r.compute_s for r in records]  # every step timed (but the last)
+    own = sorted(r.compute_s for r in timed)[len(timed) // 2]
+    step = sorted(r.ended_at - r.started_at for r in records)[len(records) // 2]
+    assert 0 < own < 0.4 * step, (own, step)
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+def test_a_step_whose_stalls_were_not_timed_has_no_compute_time_rather_than_a_wrong_one(agent_on_double):
+    """Waits are timed on sampled steps (the budget's stride): the others
+    carry no compute_s, never their span with the stalls in it."""
+    agent, double = agent_on_double(double_options={"peer_slowdown": 8.0}, grad_check_budget=1e-7)
+    model, _, _ = _sharded_like_fsdp2(double)
+    records = _train(agent, model, 30)[10:]
+    assert agent.progress.waits.stride > 1
+    assert any(r.compute_s is None for r in records), [r.compute_s for r in records]
+    step = sorted(r.ended_at - r.started_at for r in records)[len(records) // 2]
+    assert all(r.compute_s < 0.4 * step for r in records if r.compute_s is not None), \
+        ([r.compute_s for r in records], step)
+
+
+def test_waits_of_other_streams_are_no_stalls_and_a_failed_timing_still_waits(agent_on_double, monkeypatch):
+    """FSDP's all-gather stream waiting on its copy-in stalls no compute; and
+    when rankwatch cannot record its events the wait itself still happens,
+    once, and the step goes without compute_s."""
+    agent, double = agent_on_double(double_options={"peer_slowdown": 8.0})
+    _, streams, side = _sharded_like_fsdp2(double)
+    waits = agent.progress.waits
+    device = torch.device("cpu", double.device)
+    waits.open(double, device, step=0)
+    other = streams.Stream()
+    other.wait_event(side.record_event())
+    assert waits.take(1.0, 0) == ([], 0)
+
+    waits.open(double, device, step=0)
+    compute = streams.current_stream()
+
+    def broken(stream):
+        raise RuntimeError("no event")
+
+    monkeypatch.setattr(double, "stream_event", broken)
+    event = side.record_event()
+    compute.wait_event(event)
+    assert compute.clock >= event.at  # the original wait ran
+    spans, untimed = waits.take(1.0, 0)
+    assert (spans, untimed) == ([], 1)

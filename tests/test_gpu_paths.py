@@ -328,3 +328,24 @@ def test_fsdp2_a_slow_device_is_a_straggler(tmp_path):
     straggler = job.only("straggler")
     assert straggler["ranks"] == [1], straggler["summary"]
     assert all(v["kind"] == "straggler" for v in job.verdicts()), job.verdicts()
+
+
+def test_fsdp2_waiting_on_its_own_collectives_through_device_streams_is_no_straggler(tmp_path):
+    """FSDP2's own code, given the double's streams and events
+    (`GpuLikeDouble.serve_streams`: on a plain CPU its events are None and
+    it never waits), makes the compute stream wait on each all-gather and
+    reduce-scatter through the stream class rankwatch patches, and every
+    rank stalls behind a slower peer (issue 25, finding 5). The stalls are
+    timed and taken out alike on every rank: no verdict."""
+    script = _script(tmp_path, "fsdp2_streams.py", prelude="double.peer_slowdown = 2.0\ndouble.serve_streams(torch.cpu)\n"
+                     + _FSDP2, body="""
+        torch.manual_seed(100 + rank)  # DATA_SEED: each rank's own batches
+        for step in range(120):
+            model(torch.randn(32, 16)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        assert getattr(type(torch.cpu.current_stream()).wait_event, "__rankwatch_wrapped__", False)
+        """)
+    job = run_job(tmp_path, ["--nproc-per-node", "3", str(script)])
+    assert job.exit_code == 0, job.output[-3000:]
+    assert job.report["status"] == "healthy", job.verdicts()

@@ -31,7 +31,9 @@ Three implementations:
   tensors of one rank: events complete only after later work was issued (or
   after a latency), copies become readable only when their event completes,
   a current device (0 unless set) distinct from the device the tensors live
-  on, per-device memory counters, a slower device for straggler tests, graph
+  on, per-device memory counters, a slower device for straggler tests,
+  streams that stall on a wait (and a modelled slower peer whose collectives
+  make them stall; `serve_streams` hands them to FSDP2's own code), graph
   capture (during which any event, query or pinned copy is a violation, as
   it would invalidate a CUDA graph), and an OOM it can raise through the
   observer. Tests install it (`install(GpuLikeDouble(...))`) so CPU tests run
@@ -95,6 +97,9 @@ class HostDevice:
 
     def memory_summary(self, device: torch.device) -> Optional[str]:
         return None
+
+    def stream_type(self) -> Optional[type]:
+        return None  # no streams: a wait on a peer blocks the host (the collectives' call windows)
 
 
 class AcceleratorDevice:
@@ -205,6 +210,28 @@ class AcceleratorDevice:
         summary = getattr(self.module, "memory_summary", None)
         return summary(device) if summary is not None else None
 
+    def stream_type(self) -> Optional[type]:
+        """The device module's stream class when its ``wait_event`` is Python
+        (torch.cuda.Stream, torch.xpu.Stream: ``event.wait(self)``), the one
+        FSDP2's waits go through (``device_handle.current_stream()``).
+        torch.Stream (``torch.accelerator.current_stream()``) is a C++ type
+        that cannot be patched: waits made through it are not seen."""
+        cls = getattr(self.module, "Stream", None)
+        if isinstance(cls, type) and callable(cls.__dict__.get("wait_event")):
+            return cls
+        return None
+
+    def current_stream(self, device: torch.device) -> Any:
+        return self._stream(device)
+
+    def stream_event(self, stream: Any) -> Any:
+        """A timing event recorded on ``stream`` itself (not on the current
+        stream of the calling thread: the backward of a CUDA model runs on
+        autograd's device thread)."""
+        ev = self.module.Event(enable_timing=True)
+        ev.record(stream)
+        return ev
+
 
 def _accelerator_type() -> Optional[str]:
     try:
@@ -217,28 +244,110 @@ def _accelerator_type() -> Optional[str]:
 
 
 class _DoubleEvent:
-    __slots__ = ("device", "at", "order")
+    """An event of the double: ``at`` is the device time it completes at
+    (the time its stream's work reached it), ``order`` its place among the
+    device's events. Also what FSDP's code makes through ``Event()`` of the
+    device module the double serves (`serve_streams`)."""
 
-    def __init__(self, device: int, at: float, order: int) -> None:
-        self.device, self.at, self.order = device, at, order
+    __slots__ = ("device", "at", "order", "double", "marker")
+
+    def __init__(self, device: int = -1, at: float = 0.0, order: int = 0, double: Any = None) -> None:
+        self.device, self.at, self.order, self.double = device, at, order, double
+        self.marker = False  # one of two around a wait (`stream_event`): its span is a stall, not work
+
+    def record(self, stream: Any = None) -> None:
+        (stream if stream is not None else self.double.current_stream(self.double.own)).record_event(self)
+
+    def wait(self, stream: Any = None) -> None:
+        (stream if stream is not None else self.double.current_stream(self.double.own)).wait_event(self)
+
+    def query(self) -> bool:
+        return self.double is None or self.double.ready(self)
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _work(since: Optional[tuple[int, float]], thread: int, cpu: float, most: float) -> float:
+    """The double's device work since ``since`` (a thread and its CPU time
+    then): that thread's CPU time since, the double's work being host-paced.
+    CPU time, not the clock: a host blocked in a gloo collective or on a
+    full queue does no work (counting it fed the peers' waits back into
+    each other's). More than ``most`` is set-up (imports, data), not device
+    work; another thread's time is not known (none)."""
+    if since is None or since[0] != thread:
+        return 0.0
+    return min(max(0.0, cpu - since[1]), most)
+
+
+class _DoubleStream:
+    """A stream of the double. ``clock`` is the device time its work has
+    reached: an event recorded on it completes at the later of the host's
+    time and the clock, and ``wait_event`` moves the clock to the waited
+    event's time (the stream stalls until then, as a CUDA stream does). A
+    *side* stream (one made through the served ``Stream()``: FSDP's
+    all-gather and reduce-scatter streams) runs collectives with a modelled
+    peer (`GpuLikeDouble.peer_slowdown`)."""
+
+    def __init__(self, double: "GpuLikeDouble", device: int, side: bool) -> None:
+        self.double, self.device_index, self.side = double, device, side
+        self.clock = 0.0
+        self.queued: Optional[tuple[int, float]] = None  # the thread and its CPU time at the last event
+
+    def wait_event(self, event: Any) -> None:
+        if event is not None:
+            self.clock = max(self.clock, event.at)
+
+    def wait_stream(self, stream: "_DoubleStream") -> None:
+        self.wait_event(stream.record_event())
+
+    def record_event(self, event: Optional[_DoubleEvent] = None) -> _DoubleEvent:
+        event = event if event is not None else _DoubleEvent(double=self.double)
+        self.double._record(event, self)
+        return event
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
 
 
 class GpuLikeDouble:
     """CPU tensors behave as tensors of device ``device`` of an accelerator
     (see the module docstring). ``lag``: an event completes once this many
     later events were recorded on its device, or ``latency_s`` after it was
-    recorded. ``slowdown`` / ``extra_s``: device time between two events is
-    the host time times ``slowdown`` plus ``extra_s`` (a slower GPU)."""
+    recorded (never before its device time). A stream's work takes the
+    host's CPU time for it (`_work`) times ``slowdown`` (a slower GPU: its
+    stream falls behind the host), after whatever stalls it; device time
+    between two events is their device times apart, plus ``extra_s`` (a GPU
+    slower by a fixed time; not on the span of a stall around a wait).
+
+    ``peer_slowdown``: a peer whose device does the same work this many
+    times slower. A collective queued on a side stream ends when that peer
+    reaches it: the peer's work since the previous collective took
+    ``peer_slowdown`` times ours (`_work`), so a stream that waits on it stalls,
+    at every collective, as a fast GPU stalls behind a slow one. The host
+    never blocks on a device, so the peer's lead would grow without end: as
+    CUDA's launch queue does, the host blocks while its queued work runs
+    more than ``queue_s`` ahead of it."""
 
     name = "double"
 
     def __init__(self, device: int = 0, current: int = 0, lag: int = 2, latency_s: float = 0.25,
-                 slowdown: float = 1.0, extra_s: float = 0.0) -> None:
+                 slowdown: float = 1.0, extra_s: float = 0.0, peer_slowdown: float = 0.0,
+                 queue_s: float = 0.2) -> None:
         self.device = device
+        self.own = torch.device("cpu", device)  # its tensors' device, as the agent sees it
         self.current = current  # the current device: 0 unless the script set it
         self.lag, self.latency_s = lag, latency_s
         self.slowdown, self.extra_s = slowdown, extra_s
+        self.peer_slowdown, self.queue_s = peer_slowdown, queue_s
+        # The last collective: its end, and the thread that queued it with its CPU time then.
+        self._peer: Optional[tuple[float, tuple[int, float]]] = None
         self._orders: dict[int, int] = collections.defaultdict(int)
+        self._streams: dict[int, _DoubleStream] = {}  # each device's default (compute) stream
+        self._side: Optional[_DoubleStream] = None  # made current by `stream(s)`
         self.touched: set[int] = set()  # devices any call used (a context would be created there)
         self.violations: list[str] = []  # what would have broken a CUDA graph capture
         self.host_buffers: "set[int]" = set()  # ids of host copies (reading those is not a device read)
@@ -273,10 +382,47 @@ class GpuLikeDouble:
     def event(self, device: torch.device, timing: bool = False) -> Any:
         if self._forbidden_in_capture("event record"):
             raise RuntimeError("operation not permitted when stream is capturing")
-        index = self._index(device)
+        return self._record(_DoubleEvent(double=self), self.current_stream(device))
+
+    def _record(self, event: _DoubleEvent, stream: _DoubleStream) -> _DoubleEvent:
         with self._lock:
-            self._orders[index] += 1
-            return _DoubleEvent(index, time.perf_counter(), self._orders[index])
+            now, cpu, thread = time.perf_counter(), time.thread_time(), threading.get_ident()
+            # The work queued on the compute stream since its last event runs after
+            # what is ahead of it (a stall included) and takes what it took the host.
+            # The host's work is all the compute stream's: a side stream's own (a
+            # copy, a collective's launch) is nothing next to its wait for the peer.
+            work = 0.0 if stream.side else _work(stream.queued, thread, cpu, self.queue_s) * self.slowdown
+            at = max(now, stream.clock + work)
+            stream.queued = (thread, cpu)
+            if stream.side and self.peer_slowdown > 0:
+                if self._peer is not None:
+                    ended, queued = self._peer
+                    at = max(at, ended + _work(queued, thread, cpu, self.queue_s) * self.peer_slowdown)
+                self._peer = (at, (thread, cpu))
+            stream.clock = at
+            self._orders[stream.device_index] += 1
+            event.device, event.at, event.order = stream.device_index, at, self._orders[stream.device_index]
+        ahead = at - now - self.queue_s
+        if ahead > 0:
+            time.sleep(ahead)  # the launch queue is full: the host waits for the device
+        return event
+
+    def current_stream(self, device: Optional[torch.device]) -> _DoubleStream:
+        index = self._index(device)
+        if self._side is not None and index == self._side.device_index:
+            return self._side
+        stream = self._streams.get(index)
+        if stream is None:
+            stream = self._streams[index] = _DoubleStream(self, index, side=False)
+        return stream
+
+    def stream_type(self) -> type:
+        return _DoubleStream
+
+    def stream_event(self, stream: _DoubleStream) -> _DoubleEvent:
+        event = stream.record_event()
+        event.marker = True
+        return event
 
     def to_host(self, tensor: torch.Tensor) -> Optional[tuple[Any, Any]]:
         if self._forbidden_in_capture("pinned copy"):
@@ -290,8 +436,9 @@ class GpuLikeDouble:
             raise RuntimeError("operation not permitted when stream is capturing")
         if handle is None:
             return True
-        return (self._orders[handle.device] - handle.order >= self.lag
-                or time.perf_counter() - handle.at >= self.latency_s)
+        now = time.perf_counter()
+        return now >= handle.at and (self._orders[handle.device] - handle.order >= self.lag
+                                     or now - handle.at >= self.latency_s)
 
     def host_values(self, host: Any) -> list[float]:
         values = host.tolist()  # a host copy: reading it is no device read
@@ -301,7 +448,8 @@ class GpuLikeDouble:
     def elapsed_s(self, start: Any, end: Any) -> Optional[float]:
         if start.device != end.device:
             return None
-        return max(0.0, (end.at - start.at) * self.slowdown + self.extra_s)
+        extra = 0.0 if getattr(start, "marker", False) else self.extra_s  # a stall is no slower on a slow device
+        return max(0.0, end.at - start.at + extra)
 
     def memory_stats(self, device: torch.device) -> Optional[tuple[int, int, int]]:
         index = self._index(device)
@@ -332,6 +480,29 @@ class GpuLikeDouble:
             yield
         finally:
             self._capturing = False
+
+    @contextlib.contextmanager
+    def stream(self, stream: Optional[_DoubleStream]):
+        """``with torch.cuda.stream(s)``: ``s`` is current on its device."""
+        previous, self._side = self._side, (stream if stream is not None else self._side)
+        try:
+            yield
+        finally:
+            self._side = previous
+
+    def serve_streams(self, device_module: Any) -> None:
+        """Make ``device_module`` (``torch.cpu``, the one FSDP2 uses for CPU
+        tensors) hand out this double's streams and events: FSDP2's own
+        code then records its collectives' events on side streams and makes
+        the current stream wait on them, as it does with ``torch.cuda`` (on
+        a plain CPU its events are None and it never waits). For a test
+        process only: it replaces the module's Stream, Event,
+        current_stream and stream."""
+        own = self.own
+        device_module.Stream = lambda *args, **kwargs: _DoubleStream(self, self.device, side=True)
+        device_module.Event = lambda *args, **kwargs: _DoubleEvent(double=self)
+        device_module.current_stream = lambda *args, **kwargs: self.current_stream(own)
+        device_module.stream = self.stream
 
     def set_memory(self, device: int, allocated: int, reserved: Optional[int] = None) -> None:
         self.allocated[device] = allocated
@@ -443,7 +614,7 @@ class DeferredReads:
     """Device values -> host values without blocking: a submission is one
     concatenation (a device op), one non-blocking copy to host memory and an
     event (`submit`), or a pair of events whose elapsed device time is
-    wanted (`submit_elapsed`); `poll` hands each completed one to its
+    wanted (`submit_spans`); `poll` hands each completed one to its
     consumer, in order. Bounded: past ``limit`` pending reads the oldest is
     given up (its consumer gets None), so a device that stops making
     progress costs a fixed amount of memory. Call from the training thread
@@ -475,10 +646,12 @@ class DeferredReads:
         self._add(adapter, handle, lambda: adapter.host_values(host), consume)
         return True
 
-    def submit_elapsed(self, adapter: Any, start: Any, end: Any, consume: Callable[[Optional[float]], None]) -> None:
-        """Device seconds from event ``start`` to event ``end`` (recorded on
-        one stream), once ``end`` has completed."""
-        self._add(adapter, end, lambda: adapter.elapsed_s(start, end), consume)
+    def submit_spans(self, adapter: Any, spans: list[tuple[Any, Any]],
+                     consume: Callable[[Optional[list[Optional[float]]]], None]) -> None:
+        """Device seconds of each (start, end) pair of events, once the first
+        pair's ``end`` has completed: every other pair was recorded before
+        it on the same stream (the waits inside a step's window)."""
+        self._add(adapter, spans[0][1], lambda: [adapter.elapsed_s(a, b) for a, b in spans], consume)
 
     def _add(self, adapter: Any, handle: Any, read: Callable[[], Any], consume: Callable[[Any], None]) -> None:
         if not self.pending and adapter.ready(handle):

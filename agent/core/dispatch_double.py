@@ -255,7 +255,7 @@ class DispatchDouble(GpuLikeDouble):
         super().__init__(device=0, **options)
         global _double
         register()
-        self.current_stream = 0
+        self.stream_now = 0  # the current stream's number
         self._stream_orders: dict[tuple[int, int], int] = collections.defaultdict(int)
         self._waits: dict[tuple[int, int], list[_Event]] = collections.defaultdict(list)
         self._copies: list[tuple[tuple[int, int], int, torch.Tensor, torch.Tensor]] = []
@@ -269,11 +269,14 @@ class DispatchDouble(GpuLikeDouble):
     @contextlib.contextmanager
     def stream(self, stream: int):
         """Make ``stream`` current (torch.cuda.stream(s))."""
-        previous, self.current_stream = self.current_stream, stream
+        previous, self.stream_now = self.stream_now, stream
         try:
             yield
         finally:
-            self.current_stream = previous
+            self.stream_now = previous
+
+    def stream_type(self) -> None:
+        return None  # its streams are numbers: a test makes them wait (`wait_stream`)
 
     def wait_stream(self, waiter: int, on: int) -> None:
         """Work queued on ``waiter`` from now on runs after what ``on`` has
@@ -289,17 +292,17 @@ class DispatchDouble(GpuLikeDouble):
         if self._forbidden_in_capture("event record"):
             raise RuntimeError("operation not permitted when stream is capturing")
         index = self._index(device)
-        key = (index, self.current_stream)
+        key = (index, self.stream_now)
         with self._lock:
             self._stream_orders[key] += 1
             self._orders[index] += 1
-            return _Event(index, self.current_stream, time.perf_counter(), self._stream_orders[key],
+            return _Event(index, self.stream_now, time.perf_counter(), self._stream_orders[key],
                           list(self._waits[key]))
 
     def enqueue_copy(self, dst: torch.Tensor, values: torch.Tensor) -> None:
         """A non-blocking device-to-host copy on the current stream: it lands
         when the next event recorded on this stream completes."""
-        key = (self.device, self.current_stream)
+        key = (self.device, self.stream_now)
         with self._lock:
             self._copies.append((key, self._stream_orders[key] + 1, dst, values))
 

@@ -18,7 +18,9 @@ at most HOLD_STEPS records or HOLD_S seconds, after which it goes without.
 `compute_s` is the rank's own time up to the moment it reached the last
 gradient allreduce: data time on the host, plus the *device* time from the
 event recorded at the step's first forward to the one recorded at its last
-gradient bucket (a slow GPU shows there; the host only queued the work).
+gradient bucket (a slow GPU shows there; the host only queued the work),
+less the compute stream's stalls on peers' collectives inside that window
+(FSDP2's all-gathers: agent/watch/stream_waits.py).
 """
 
 from __future__ import annotations
@@ -146,6 +148,8 @@ class Progress:
         self._end_event: Any = None
         self._event_adapter: Any = None
         self.device: Any = None  # the device of the last model seen in a forward
+        # The compute stream's waits inside the step (agent/watch/stream_waits.py; set by the agent).
+        self.waits: Any = None
 
     def _record(self) -> None:
         box = self.blackbox
@@ -204,6 +208,8 @@ class Progress:
                 self._start_event = self._device_event(module)
             elif self.device is not None:
                 self._start_event = self._event_on(self.device)
+            if self._start_event is not None and self.waits is not None:
+                self.waits.open(self._event_adapter, self.device, self.step)
         self.phase = "forward"
         self.phase_since = now
         self.last_progress_at = now
@@ -289,6 +295,8 @@ class Progress:
         self._backward_done_at = time.time()
         if self._start_event is not None and self.device is not None:
             self._end_event = self._event_on(self.device)
+        if self.waits is not None:
+            self.waits.close()
 
     def on_backward_done(self, at: float, tensor: Any = None) -> None:
         """Called when this rank's local backward reached the last gradient
@@ -297,6 +305,8 @@ class Progress:
         self._backward_done_at = at
         if tensor is not None and self._start_event is not None:
             self._end_event = self._event_on(device_mod.device_of(tensor))
+        if self.waits is not None:
+            self.waits.close()
 
     def _device_event(self, module: Any) -> Any:
         """A timing event on the current stream of the module's device (the
@@ -435,6 +445,7 @@ class Progress:
         )
         held = _Held(record, now)
         held.waiting = 1  # this function's own share, released at its end
+        stalls, untimed = self.waits.take(now - started, self.step) if self.waits is not None else ([], 0)
         wait_in_compute = 0.0
         if first_fwd is not None:
             record.data_s = max(0.0, first_fwd - started - self._wait_before_forward)
@@ -442,16 +453,12 @@ class Progress:
                 wait_in_compute = max(0.0, self._wait_before_backward_done - self._wait_before_forward)
                 start, end = self._start_event, self._end_event
                 if start is not None and end is not None:
-                    data_s = record.data_s
-                    held.waiting += 1
-
-                    def device_time(seconds: Optional[float], record=record, held=held, data_s=data_s,
-                                    waited=wait_in_compute) -> None:
-                        if seconds is not None:
-                            record.compute_s = max(0.0, data_s + seconds - waited)
-                        self._filled(held)
-
-                    self.reads.submit_elapsed(self._event_adapter, start, end, device_time)
+                    if not untimed:  # else its span holds stalls behind peers that were not timed: no compute_s
+                        # Where the device's own waits were timed they are the waits: a host
+                        # blocked in a (gloo) collective meanwhile may have left a device
+                        # that runs behind it busy, and taking its time off too counted twice.
+                        host_waits = 0.0 if stalls else wait_in_compute
+                        self._read_device_time(record, held, [(start, end)] + stalls, host_waits)
                 else:  # no device events (a capture): host time
                     record.compute_s = max(0.0, self._backward_done_at - started - self._wait_before_backward_done)
         self._take_loss(record, held)
@@ -515,6 +522,8 @@ class Progress:
         self._step_started_at = now
         self._first_forward_at = self._backward_started_at = self._backward_done_at = None
         self._start_event = self._end_event = None
+        if self.waits is not None:
+            self.waits.take(0.0, self.step)  # a window opened before the capture: nothing to time
         self._wait_before_forward = self._wait_before_backward_done = 0.0
         self._forwards_in_step = 0
         self._loss = self._loss_read = self._observed_loss = self._scaled = None
@@ -550,6 +559,22 @@ class Progress:
             if len(self.loss_history) >= 5 and record.step % 5 == 0:
                 ordered = sorted(self.loss_history)
                 self.typical_loss = ordered[len(ordered) // 2]
+
+    def _read_device_time(self, record: StepRecord, held: _Held, spans: list[tuple[Any, Any]],
+                          waited: float) -> None:
+        """compute_s = data time + the window's device time (its first span)
+        less the compute stream's stalls behind peers (the others:
+        agent/watch/stream_waits.py) and the host's waits inside Python
+        collectives."""
+        data_s = record.data_s
+        held.waiting += 1
+
+        def device_time(seconds: Optional[list[Optional[float]]]) -> None:
+            if seconds is not None and None not in seconds:
+                record.compute_s = max(0.0, data_s + seconds[0] - sum(seconds[1:]) - waited)
+            self._filled(held)
+
+        self.reads.submit_spans(self._event_adapter, spans, device_time)
 
     def _dispatch(self, held: _Held, batch: list, values: Optional[list[float]]) -> None:
         at = 0
