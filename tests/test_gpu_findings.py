@@ -163,26 +163,30 @@ def _sharded_like_fsdp2(double, width=192):
     return DDP(torch.nn.Sequential(*layers)), streams, side
 
 
-def _train(agent, model, steps, width=192):
+def _train(agent, model, steps, width=192, micro_batches=1):
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     for _ in range(steps):
         opt.zero_grad()
-        model(torch.randn(256, width)).pow(2).mean().backward()
+        for _ in range(micro_batches):
+            model(torch.randn(256, width)).pow(2).mean().backward()
         opt.step()
     agent.progress.finish()
     return list(agent.progress.recent)
 
 
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing")
-def test_compute_time_leaves_out_the_stalls_behind_a_slower_peer(agent_on_double):
+@pytest.mark.parametrize("micro_batches", [1, 3], ids=["one_backward", "gradient_accumulation"])
+def test_compute_time_leaves_out_the_stalls_behind_a_slower_peer(agent_on_double, micro_batches):
     """On a GPU, FSDP2's collectives return at once and the compute stream
     waits on them: a fast rank's device span from its first forward to its
     backward's end holds its stalls behind the slow rank, and compute_s came
     out the slow rank's on every rank. The peer here is 8x slower: the
-    step's time is mostly stalls, and compute_s must be the rank's own work."""
+    step's time is mostly stalls, and compute_s must be the rank's own work
+    (with gradient accumulation the span runs to the last micro-batch's
+    backward, and every micro-batch's stalls are in it)."""
     agent, double = agent_on_double(double_options={"peer_slowdown": 8.0}, grad_check_budget=1.0)
     model, _, _ = _sharded_like_fsdp2(double)
-    records = _train(agent, model, 30)[10:]
+    records = _train(agent, model, 30 // micro_batches + 10, micro_batches=micro_batches)[10:]
     timed = [r for r in records if r.compute_s is not None]
     assert len(timed) >= len(records) - 2, [r.compute_s for r in records]  # every step timed (but the last)
     own = sorted(r.compute_s for r in timed)[len(timed) // 2]
@@ -215,6 +219,7 @@ def test_waits_of_other_streams_are_no_stalls_and_a_failed_timing_still_waits(ag
     waits.open(double, device, step=0)
     other = streams.Stream()
     other.wait_event(side.record_event())
+    waits.close()
     assert waits.take(1.0, 0) == ([], 0)
 
     waits.open(double, device, step=0)
@@ -227,5 +232,6 @@ def test_waits_of_other_streams_are_no_stalls_and_a_failed_timing_still_waits(ag
     event = side.record_event()
     compute.wait_event(event)
     assert compute.clock >= event.at  # the original wait ran
+    waits.close()
     spans, untimed = waits.take(1.0, 0)
     assert (spans, untimed) == ([], 1)

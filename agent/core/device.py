@@ -98,7 +98,7 @@ class HostDevice:
     def memory_summary(self, device: torch.device) -> Optional[str]:
         return None
 
-    def stream_type(self) -> Optional[type]:
+    def event_type(self) -> Optional[type]:
         return None  # no streams: a wait on a peer blocks the host (the collectives' call windows)
 
 
@@ -210,18 +210,24 @@ class AcceleratorDevice:
         summary = getattr(self.module, "memory_summary", None)
         return summary(device) if summary is not None else None
 
-    def stream_type(self) -> Optional[type]:
-        """The device module's stream class when its ``wait_event`` is Python
-        (torch.cuda.Stream, torch.xpu.Stream: ``event.wait(self)``), the one
-        FSDP2's waits go through (``device_handle.current_stream()``).
-        torch.Stream (``torch.accelerator.current_stream()``) is a C++ type
-        that cannot be patched: waits made through it are not seen."""
-        cls = getattr(self.module, "Stream", None)
-        if isinstance(cls, type) and callable(cls.__dict__.get("wait_event")):
+    def event_type(self) -> Optional[type]:
+        """The device module's event class when its ``wait`` is Python
+        (torch.cuda.Event, torch.xpu.Event: ``wait(stream=None)``), which
+        every wait of a stream on an event goes through: ``Stream.wait_event``
+        (FSDP2's ``device_handle.current_stream().wait_event``) and
+        ``wait_stream`` call it, and so does what torch.compile makes of a
+        stream's wait (``torch.ops.streams.wait_event``). torch.Event and
+        torch.Stream (``torch.accelerator.current_stream()``) are C++ types
+        that cannot be patched: waits made through them are not seen."""
+        cls = getattr(self.module, "Event", None)
+        if isinstance(cls, type) and callable(cls.__dict__.get("wait")):
             return cls
         return None
 
-    def current_stream(self, device: torch.device) -> Any:
+    def current_stream(self, device: Optional[torch.device]) -> Any:
+        """The current stream of ``device`` (of the current device: None)."""
+        if device is None:
+            return self.module.current_stream()
         return self._stream(device)
 
     def stream_event(self, stream: Any) -> Any:
@@ -256,10 +262,13 @@ class _DoubleEvent:
         self.marker = False  # one of two around a wait (`stream_event`): its span is a stall, not work
 
     def record(self, stream: Any = None) -> None:
-        (stream if stream is not None else self.double.current_stream(self.double.own)).record_event(self)
+        (stream if stream is not None else self.double.current_stream(None)).record_event(self)
 
     def wait(self, stream: Any = None) -> None:
-        (stream if stream is not None else self.double.current_stream(self.double.own)).wait_event(self)
+        """Work queued on ``stream`` (the current device's current stream:
+        None) from now on starts after this event: the stream stalls."""
+        stream = stream if stream is not None else self.double.current_stream(None)
+        stream.clock = max(stream.clock, self.at)
 
     def query(self) -> bool:
         return self.double is None or self.double.ready(self)
@@ -283,7 +292,7 @@ def _work(since: Optional[tuple[int, float]], thread: int, cpu: float, most: flo
 class _DoubleStream:
     """A stream of the double. ``clock`` is the device time its work has
     reached: an event recorded on it completes at the later of the host's
-    time and the clock, and ``wait_event`` moves the clock to the waited
+    time and the clock, and a wait on an event moves the clock to the
     event's time (the stream stalls until then, as a CUDA stream does). A
     *side* stream (one made through the served ``Stream()``: FSDP's
     all-gather and reduce-scatter streams) runs collectives with a modelled
@@ -295,8 +304,7 @@ class _DoubleStream:
         self.queued: Optional[tuple[int, float]] = None  # the thread and its CPU time at the last event
 
     def wait_event(self, event: Any) -> None:
-        if event is not None:
-            self.clock = max(self.clock, event.at)
+        event.wait(self)  # as torch.cuda.Stream does
 
     def wait_stream(self, stream: "_DoubleStream") -> None:
         self.wait_event(stream.record_event())
@@ -416,8 +424,8 @@ class GpuLikeDouble:
             stream = self._streams[index] = _DoubleStream(self, index, side=False)
         return stream
 
-    def stream_type(self) -> type:
-        return _DoubleStream
+    def event_type(self) -> type:
+        return _DoubleEvent
 
     def stream_event(self, stream: _DoubleStream) -> _DoubleEvent:
         event = stream.record_event()

@@ -275,7 +275,7 @@ class DispatchDouble(GpuLikeDouble):
         finally:
             self.stream_now = previous
 
-    def stream_type(self) -> None:
+    def event_type(self) -> None:
         return None  # its streams are numbers: a test makes them wait (`wait_stream`)
 
     def wait_stream(self, waiter: int, on: int) -> None:

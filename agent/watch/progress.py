@@ -457,6 +457,8 @@ class Progress:
                         # Where the device's own waits were timed they are the waits: a host
                         # blocked in a (gloo) collective meanwhile may have left a device
                         # that runs behind it busy, and taking its time off too counted twice.
+                        # (A host wait that left the device idle then counts as compute: a
+                        # CPU collective inside a GPU step's forward/backward is rare.)
                         host_waits = 0.0 if stalls else wait_in_compute
                         self._read_device_time(record, held, [(start, end)] + stalls, host_waits)
                 else:  # no device events (a capture): host time

@@ -12,30 +12,35 @@ named on a GPU. (DDP's waits on its allreduce come after the backward's end
 event, in its finalize; on a CPU a wait blocks the host inside the
 collective's call, which the collective tracker already takes out.)
 
-This wraps the device module's ``Stream.wait_event`` (torch.cuda.Stream:
-``event.wait(self)``, Python; ``wait_stream`` goes through it). Inside a
-step's compute window (its first forward's event to its backward's end
-event), a wait *of the stream that window's events are on* gets a timing
-event before and after it on that stream; their spans are the stalls, and
-progress subtracts their sum from the window's device time. Waits of other
-streams (FSDP's all-gather stream waiting on its copy-in) stall no compute
-and are left alone. It is not FSDP-specific: DeepSpeed's and a script's
-own waits of the compute stream inside the window count the same way.
+This wraps the device module's ``Event.wait`` (torch.cuda.Event, Python),
+which every wait of a stream on an event goes through: ``Stream.wait_event``
+(``event.wait(self)``), ``wait_stream``, and what torch.compile makes of
+them (``torch.ops.streams.wait_event``). Inside a step's compute window
+(its first forward's event to its last backward's end event: with gradient
+accumulation, every micro-batch's waits), a wait *of the stream that
+window's events are on* gets a timing event before and after it on that
+stream; their spans are the stalls, and progress subtracts their sum from
+the window's device time. Waits of other streams (FSDP's all-gather stream
+waiting on its copy-in) stall no compute and are left alone. It is not
+FSDP-specific: DeepSpeed's and a script's own waits of the compute stream
+inside the window count the same way.
 
 Cost: two event records per wait, about three waits per FSDP layer and
-step. They are taken on sampled steps only (``step % stride == 0``; the
-stride is a power of two, adapted to the budget as the gradient checks'
-is, so a coarser rank's timed steps are also its peers'). A step whose
-waits were not timed reports no ``compute_s`` (its span holds stalls),
-never a wrong one; the straggler check counts only steps every rank timed.
+micro-batch. They are taken on sampled steps only (``step % stride ==
+0``; the stride is a power of two, adapted to the budget as the gradient
+checks' is, so a coarser rank's timed steps are also its peers'). A step
+whose waits were not all timed reports no ``compute_s`` (its span holds
+stalls); the straggler check counts only steps every rank timed.
 
-Not seen: waits through ``torch.Stream`` (a C++ type: FSDP2's
-``finalize_backward`` uses ``torch.accelerator.current_stream()``, after
-the backward's end event anyway) and an async collective's
-``Work.wait()`` (an explicit ``unshard(async_op=True)``). NEVER RAN ON A
-GPU: tested on CPU through the GPU-like double, whose streams stall on a
-modelled late peer and which FSDP2's own code uses in those tests
-(``GpuLikeDouble.serve_streams``).
+Not seen, so their stalls stay in ``compute_s``: waits through torch.Event
+or torch.Stream (C++ types: FSDP2's ``finalize_backward`` uses
+``torch.accelerator.current_stream()``, after the backward's end event
+anyway), and the device-side waits of NCCL work (``Work.wait()`` of an
+async collective, such as an explicit ``unshard(async_op=True)``; a
+functional collective's ``wait_tensor``; tensor-parallel collectives in
+the forward). NEVER RAN ON A GPU: tested on CPU through the GPU-like
+double, whose streams stall on a modelled slower peer and which FSDP2's
+own code uses in those tests (``GpuLikeDouble.serve_streams``).
 """
 
 from __future__ import annotations
@@ -49,7 +54,9 @@ from ..core.patching import Patches
 from ..core.torch_state import compiling
 
 MAX_STRIDE = 64  # the waits are timed at least every 64th step
-MAX_WAITS = 1024  # timed per step, at most (~340 FSDP layers; more: the step goes without compute_s)
+# Waits timed per step, at most (8 micro-batches of a 128-layer FSDP2 model
+# make ~3,000); more: the step goes without compute_s.
+MAX_WAITS = 4096
 BUDGET_SHARE = 0.5  # of the gradient-check budget (the share of step time rankwatch may use)
 
 
@@ -62,36 +69,48 @@ class StreamWaits:
         self.stride = 1
         self._patched: set[type] = set()
         self._adapter: Any = None
+        self._device: Any = None
         self._stream: Any = None  # the window's stream while the window is open
         self._timing = False
         self.spans: list[tuple[Any, Any]] = []  # (before, after) events of each timed wait
         self.untimed = 0  # waits of the window's stream that were not timed
+        self._upto: Optional[tuple[int, int]] = None  # (spans, untimed) at the last backward's end
         self._spent = 0.0  # host seconds of this part on the current step
 
     def open(self, adapter: Any, device: Any, step: int) -> None:
-        """The step's first forward recorded its start event on ``device``."""
-        self.spans, self.untimed = [], 0
+        """The step's first forward recorded its start event on ``device``.
+        Never raises (it runs inside the forward's hook): a failure leaves
+        the window closed and the step untimed."""
+        self.spans, self.untimed, self._upto = [], 0, None
         self._stream = None
-        stream_type = adapter.stream_type()
-        if stream_type is None:
-            return  # no streams (a CPU): nothing waits on the device
-        if stream_type not in self._patched:
-            self._patched.add(stream_type)
-            self.patches.apply(stream_type, "wait_event", self._wrap)
-        self._adapter = adapter
-        self._timing = step % self.stride == 0
-        self._stream = adapter.current_stream(device)
+        try:
+            event_type = adapter.event_type()
+            if event_type is None:
+                return  # no streams (a CPU): nothing waits on the device
+            if event_type not in self._patched:
+                self._patched.add(event_type)
+                self.patches.apply(event_type, "wait", self._wrap)
+            self._adapter, self._device = adapter, device
+            self._timing = step % self.stride == 0
+            self._stream = adapter.current_stream(device)
+        except Exception:
+            self._stream = None
+            self.untimed += 1
 
     def close(self) -> None:
-        """The backward's end event was recorded: later waits (DDP's and
-        FSDP's finalize) are not in the window."""
-        self._stream = None
+        """A backward's end event was recorded: the window's span ends here
+        unless a later backward of the step (gradient accumulation) moves
+        its end again, so the waits up to here are the span's; the window
+        stays open for the next micro-batch's."""
+        if self._stream is not None or self.untimed:
+            self._upto = (len(self.spans), self.untimed)
 
     def take(self, step_duration: float, step: int) -> tuple[list[tuple[Any, Any]], int]:
-        """The ended step's timed waits and the count of untimed ones; the
-        stride adapts to what the timing cost."""
-        spans, untimed = self.spans, self.untimed
-        self.spans, self.untimed, self._stream = [], 0, None
+        """The ended step's timed waits up to its last backward's end and the
+        count of untimed ones; the stride adapts to what the timing cost."""
+        timed, untimed = self._upto if self._upto is not None else (0, 0)
+        spans = self.spans[:timed]
+        self.spans, self.untimed, self._upto, self._stream = [], 0, None, None
         spent, self._spent = self._spent, 0.0
         if spent > 0 and step_duration > 0 and self.budget > 0:
             wanted = max(1, math.ceil(spent / (self.budget * step_duration)))
@@ -107,16 +126,16 @@ class StreamWaits:
         waits = self
 
         @functools.wraps(original)
-        def wait_event(*args, **kwargs):
-            if waits._stream is None or compiling():
+        def wait(*args, **kwargs):  # Event.wait(self, stream=None)
+            if compiling() or waits._stream is None:
                 return original(*args, **kwargs)
-            before = waits._before(args[0] if args else kwargs.get("self"))
+            before = waits._before(args[1] if len(args) > 1 else kwargs.get("stream"))
             result = original(*args, **kwargs)
             if before is not None:
                 waits._after(before)
             return result
 
-        return wait_event
+        return wait
 
     def _before(self, stream: Any) -> Optional[tuple[Any, Any]]:
         """Called before a wait inside the window (on whatever thread: a GPU
@@ -125,9 +144,13 @@ class StreamWaits:
         try:
             started = time.perf_counter()
             mine = self._stream
-            if mine is None or not (stream is mine or stream == mine):
+            if mine is None:
                 return None
-            if not self._timing or len(self.spans) >= MAX_WAITS:
+            if stream is None:  # Event.wait(): the current device's current stream
+                stream = self._adapter.current_stream(None)
+            if not (stream is mine or stream == mine):
+                return None
+            if not self._timing or len(self.spans) >= MAX_WAITS or self._adapter.capturing(self._device):
                 self.untimed += 1
                 return None
             event = self._adapter.stream_event(stream)
