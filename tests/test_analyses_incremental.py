@@ -415,3 +415,34 @@ def test_a_slow_leak_from_start_up_waits_for_the_window():
     """2 MiB a step from start-up on 400 MiB: at step 50 it has added 90 MiB,
     less than a quarter, and has not outlasted the window: not yet named."""
     assert _leaks(_rss_run(lambda r, s: (400 << 20) + (2 << 20) * s * (r == 1), steps=50)) == []
+
+
+def test_memory_windows_of_many_ranks_hold_each_ranks_last_points():
+    """The leak check's per-rank windows are numpy rows that grow with the
+    ranks seen (a collector of 10,000 ranks): each rank's points, its count
+    of growing steps, the value before its window and whether it slid are
+    what its own history says, for ranks well past the first allocation
+    and ranks that joined late."""
+    import numpy as np
+
+    from rankwatch.collector.analyses.memory_growth import WINDOW, Window
+
+    rng = np.random.default_rng(7)
+    window, history = Window(), {}
+    for step in range(WINDOW + 30):
+        ranks = [r for r in range(300) if step >= r % 50]  # some ranks join late
+        values = rng.integers(0, 4, len(ranks)).astype(float) * (1 << 20)
+        rows = [window.row_of(r, -1.0 if r % 2 else None) for r in ranks]
+        window.add(np.array(rows), step, values, np.full(len(ranks), 1000.0 + step))
+        for r, v in zip(ranks, values):
+            history.setdefault(r, []).append((step, float(v), 1000.0 + step))
+    for rank, points in history.items():
+        kept = points[-WINDOW:]
+        series = window.get(rank)
+        assert series.points == kept, rank
+        assert series.ups == sum(b[1] > a[1] for a, b in zip(kept, kept[1:])), rank
+        assert series.slid == (len(points) > WINDOW), rank
+        expected_before = points[-WINDOW - 1][1] if len(points) > WINDOW else (-1.0 if rank % 2 else None)
+        assert series.before == expected_before, rank
+    growth = window.growth_per_step()
+    assert [round(float(g), 3) for g in growth] == [round(window.get(r).growth_per_step(), 3) for r in window.ranks]
