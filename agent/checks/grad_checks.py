@@ -50,6 +50,7 @@ from rankwatch.config import Config
 from rankwatch.wire import StepRecord
 
 from ..core import device as device_mod
+from ..core.budget import next_stride
 from ..watch.collectives import CollectiveTracker
 from ..core.device import DeferredReads
 from ..core.patching import Patches, argument, binding_error
@@ -429,19 +430,8 @@ class GradChecker:
     # -- end of step (training thread) ------------------------------------------------
     def _adapt(self, record: StepRecord) -> None:
         spent, self._spent = self._spent, 0.0
-        duration = record.ended_at - record.started_at
-        if spent <= 0 or duration <= 0 or self.budget <= 0:
-            return
-        wanted = max(1, math.ceil(spent / (self.budget * duration)))
-        # Move slowly: one expensive step (first step, a checkpoint) must not swing it.
-        # Powers of two only, checked where step % stride == 0: each rank picks
-        # its own stride, and with these every step a coarser rank checks is
-        # one its finer peers check too, so the collector has peers to compare
-        # a norm with (strides of 3 and 5 shared one step in 15).
-        if wanted > self.stride:
-            self.stride = min(self.stride * 2, MAX_STRIDE)
-        elif 2 * wanted <= self.stride and record.step % 16 == 0:
-            self.stride //= 2
+        self.stride = next_stride(self.stride, spent, self.budget, record.ended_at - record.started_at,
+                                  record.step, MAX_STRIDE)
 
     def _adapt_probe(self, record: StepRecord) -> None:
         spent, self._probe_spent = self._probe_spent, 0.0

@@ -46,10 +46,10 @@ own code uses in those tests (``GpuLikeDouble.serve_streams``).
 from __future__ import annotations
 
 import functools
-import math
 import time
 from typing import Any, Callable, Optional
 
+from ..core.budget import next_stride
 from ..core.patching import Patches
 from ..core.torch_state import compiling
 
@@ -112,14 +112,7 @@ class StreamWaits:
         spans = self.spans[:timed]
         self.spans, self.untimed, self._upto, self._stream = [], 0, None, None
         spent, self._spent = self._spent, 0.0
-        if spent > 0 and step_duration > 0 and self.budget > 0:
-            wanted = max(1, math.ceil(spent / (self.budget * step_duration)))
-            # As the gradient checks do: powers of two, slowly, so that one
-            # costly step does not swing it and peers share their timed steps.
-            if wanted > self.stride:
-                self.stride = min(self.stride * 2, MAX_STRIDE)
-            elif 2 * wanted <= self.stride and step % 16 == 0:
-                self.stride //= 2
+        self.stride = next_stride(self.stride, spent, self.budget, step_duration, step, MAX_STRIDE)
         return spans, untimed
 
     def _wrap(self, original: Callable) -> Callable:

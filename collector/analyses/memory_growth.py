@@ -87,12 +87,6 @@ class Window:
         self.steps, self.values, self.times = steps, values, times
         self.head, self.count, self.ups, self.before, self.slid = head, count, ups, before, slid
 
-    def __len__(self) -> int:
-        return len(self.ranks)
-
-    def __contains__(self, rank: int) -> bool:
-        return rank in self.rows
-
     def row_of(self, rank: int, before: Optional[float]) -> int:
         row = self.rows.get(rank)
         if row is None:
