@@ -401,10 +401,14 @@ class _ModelledCuda:
 
         class ModuleEvent:  # torch.cuda.Event
             def __init__(self, enable_timing=False):
-                self.at = None
+                self.at, self.timing, self.stream = None, enable_timing, None
 
             def record(self, stream=None):
                 self.at = time.perf_counter()  # MaybeSetDevice(stream's device): no new context
+                self.stream = stream
+
+            def wait(self, stream=None):  # Python in torch.cuda.Event: what Stream.wait_event calls
+                pass
 
             def query(self):
                 return True
@@ -448,6 +452,31 @@ def test_event_work_creates_no_context_on_the_current_device(monkeypatch):
     assert adapter.ready(end)
     assert adapter.elapsed_s(start, end) is not None
     assert cuda.contexts == {1}, f"contexts on devices {sorted(cuda.contexts)}: GPU 0 got one"
+
+
+def test_stream_waits_calls_name_the_module_event_and_the_stream_they_are_given(monkeypatch):
+    """The three calls agent/watch/stream_waits.py makes of the accelerator
+    adapter (issue 25, finding 5): the event class whose Python ``wait``
+    every stream wait goes through, a device's current stream, and a timing
+    event recorded on the stream given (autograd's device thread may have
+    another current stream), with no context on the current GPU 0."""
+    cuda = _ModelledCuda(current=0, tensors_on=1)
+    adapter = device_mod.AcceleratorDevice("cpu")
+    adapter.module = cuda
+    monkeypatch.setattr(torch, "Event", cuda.GenericEvent)
+    assert adapter.event_type() is cuda.Event
+    on = torch.device("cuda", 1)
+    assert adapter.current_stream(on).device == on
+    assert adapter.current_stream(None).device == torch.device("cuda", 0)  # the current device's
+    stream = adapter.current_stream(on)
+    event = adapter.stream_event(stream)
+    assert isinstance(event, cuda.Event) and event.timing and event.stream is stream
+    assert cuda.contexts == {1}, f"contexts on devices {sorted(cuda.contexts)}: GPU 0 got one"
+    # A device module whose event has no Python wait (a C++ type) or no event: nothing to patch.
+    cuda.Event = type("CppEvent", (), {})
+    assert adapter.event_type() is None
+    del cuda.Event
+    assert adapter.event_type() is None
 
 
 def test_deferred_values_flatten_in_a_few_launches_to_the_same_floats():

@@ -110,3 +110,27 @@ def test_a_launcher_past_its_timeout_is_killed_with_its_workers(tmp_path, own_se
 def test_its_docstring_says_which_gpu_runs_were_made():
     text = " ".join(SCRIPT.read_text().split())
     assert "GPU sessions have run it" in text and "have never run on GPUs" in text
+
+
+def test_stream_stall_bench_job_compiles_and_its_judge_names_each_miss():
+    """bench/gpu_stream_stall.py runs only on a GPU: here its job must at
+    least compile, and its judgement must pass a run like the one seen on
+    an H200 and name each way a run can go wrong."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import gpu_stream_stall as bench
+
+    compile(bench.JOB, "stall_job.py", "exec")
+    seen = {"none": {"exit": 0, "device_ms": 3.56, "compute_ms": 2.94, "syncs": 1, "verdicts": []},
+            "own": {"exit": 0, "device_ms": 20.13, "compute_ms": 21.08, "syncs": 1, "verdicts": []},
+            "stall": {"exit": 0, "device_ms": 19.08, "compute_ms": 2.97, "syncs": 1, "verdicts": []}}
+    assert bench.judge(seen, 20.0) == []
+    stall_counted = {**seen, "stall": {**seen["stall"], "compute_ms": 18.9}}
+    assert any(m.startswith("stall: compute_s") for m in bench.judge(stall_counted, 20.0))
+    own_lost = {**seen, "own": {**seen["own"], "compute_ms": 3.0}}
+    assert any(m.startswith("own:") for m in bench.judge(own_lost, 20.0))
+    synced = {**seen, "stall": {**seen["stall"], "syncs": 5}}
+    assert any("syncs differ" in m for m in bench.judge(synced, 20.0))
+    alarmed = {**seen, "none": {**seen["none"], "verdicts": ["straggler"]}}
+    assert any("verdicts" in m for m in bench.judge(alarmed, 20.0))
+    failed = {**seen, "own": {"exit": 1, "error": "Traceback"}}
+    assert bench.judge(failed, 20.0)

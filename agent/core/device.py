@@ -24,9 +24,12 @@ Three implementations:
   script that never calls `torch.cuda.set_device` has GPU 0 as its current
   device while its tensors live on GPU k: an event recorded on GPU 0's
   stream would not order a copy made on GPU k, and would create a context on
-  GPU 0). **No GPU run of this class has been made**: it was written against
-  torch's sources (2.4-2.13) and is exercised on CPU through `GpuLikeDouble`,
-  which behaves the way these calls do on a GPU.
+  GPU 0). It was written against torch's sources (2.4-2.13) and is
+  exercised on CPU through `GpuLikeDouble`, which behaves the way these
+  calls do on a GPU. On a GPU it ran only at world size 1, on one H200
+  (torch 2.11.0+cu130; bench/gpu_acceptance.py's DDP and FSDP2 cases in
+  float32 and bfloat16, and bench/gpu_stream_stall.py for the stream
+  calls, 2026-11-27); never across GPUs.
 - `GpuLikeDouble`: a test double that makes CPU tensors behave as device
   tensors of one rank: events complete only after later work was issued (or
   after a latency), copies become readable only when their event completes,
@@ -104,7 +107,7 @@ class HostDevice:
 
 class AcceleratorDevice:
     """CUDA/ROCm, XPU...: torch's device-generic calls where the installed
-    torch has them. Never run on a GPU here (see the module docstring)."""
+    torch has them. Ran on one GPU only (see the module docstring)."""
 
     def __init__(self, device_type: str) -> None:
         self.name = device_type
