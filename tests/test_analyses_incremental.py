@@ -90,10 +90,16 @@ def test_same_verdicts_live_in_batches_and_offline_at_once(seed):
 
 
 def test_peer_medians_are_the_medians_of_the_others():
+    """Exactly statistics.median of the others, below and past the size
+    where they are taken in arrays (odd and even peers, ties, ranks not in
+    order), in the ranks' order."""
     rnd = random.Random(1)
-    for n in range(2, 40):
-        values = {r: rnd.choice([rnd.random(), 0.5, 1.0]) for r in range(n)}
+    big = common.PEER_MEDIANS_IN_ARRAYS
+    for n in [*range(2, 40), big - 1, big, big + 1, big + 2, 3 * big + 7]:
+        ranks = rnd.sample(range(10 * n), n)
+        values = {r: rnd.choice([rnd.random(), 0.5, 1.0, float(rnd.randint(0, 2))]) for r in ranks}
         got = common.peer_medians(values)
+        assert list(got) == ranks
         for r in values:
             assert got[r] == statistics.median(v for k, v in values.items() if k != r)
 

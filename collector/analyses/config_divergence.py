@@ -86,6 +86,8 @@ class Tracker:
         self.facts: dict[int, dict[str, str]] = {}
         self.sites: dict[int, dict[str, str]] = {}
         self.changed = False
+        self._facts_version = 0  # counts changes of the facts: the ranks' groups are kept until the next
+        self._record_groups: Optional[tuple[int, set[int], list[list[int]]]] = None
         self.frontier: dict[int, int] = {}  # each rank's newest step record
         self._deferred_values: Optional[dict] = None
         self.replicas: Optional[bool] = None
@@ -122,10 +124,23 @@ class Tracker:
             sites = self.sites.setdefault(rank, {})
             sites.update(pairs(event.details.get("sites")))
             self.changed = True
+            self._facts_version += 1
         if self.finding is not None:
             return
-        groups = self._groups(records)
+        groups = self._groups_of_records(records)
         found: dict[str, dict[int, str]] = {}
+        optimizers = {rec.optim_fp for rec in records.values()}
+        if len(optimizers) == 1 and None not in optimizers:
+            # Every rank reports the same optimizer (a healthy step): only the
+            # groups' agreed values are kept, without a pass per group.
+            optim = f"#{optimizers.pop():013x}"
+            every_lr = None not in [rec.lr for rec in records.values()]
+            for ranks in groups:
+                group = self._group_key(ranks[0])
+                self.agreed[(group, OPTIMIZER)] = optim
+                if every_lr:
+                    self.agreed[(group, "lr")] = f"{records[ranks[0]].lr:.6g}"
+            groups = []
         for ranks in groups:
             optim = {r: records[r].optim_fp for r in ranks if records[r].optim_fp is not None}
             lrs = {r: records[r].lr for r in optim if records[r].lr is not None}
@@ -163,6 +178,16 @@ class Tracker:
     def _group_key(self, rank: int) -> str:
         facts = self.facts.get(rank)
         return facts.get("replicas", "none") if facts else "none"
+
+    def _groups_of_records(self, records: dict[int, wire.StepRecord]) -> list[list[int]]:
+        """`_groups` of a sealed step's ranks, kept while the facts and the
+        ranks stay the same (a sort of every rank each step, ~8 ms at 10,000)."""
+        kept = self._record_groups
+        if kept is not None and kept[0] == self._facts_version and records.keys() == kept[1]:
+            return kept[2]
+        groups = self._groups(records)
+        self._record_groups = (self._facts_version, set(records), groups)
+        return groups
 
     def _groups(self, ranks) -> list[list[int]]:
         """Ranks of one data-parallel group (the DDP's process group) together."""

@@ -72,6 +72,13 @@ class Tracker:
                            "first_at": min(ended) if ended else None}
         if self.finding is not None:
             return
+        if self._streak is None and not self._waiting:
+            # Every rank's batch its own (a healthy step) and no streak to
+            # carry on: nothing to judge, without a tuple per rank.
+            batches = [rec.batch_fp for rec in records.values()]
+            missing = batches.count(None)
+            if len(set(batches)) - (1 if missing else 0) == len(batches) - missing:
+                return
         fps = {r: (self.groups.get(r, "none"), rec.batch_fp, rec.ended_at) for r, rec in records.items()
                if rec.batch_fp is not None}
         if self.replicas is None and any(g == "none" for g, _, _ in fps.values()):

@@ -40,6 +40,8 @@ import math
 import statistics
 from typing import Optional
 
+import numpy as np
+
 from rankwatch import wire
 
 from ..state import RunState
@@ -114,11 +116,16 @@ class Tracker:
         else:
             peers = peer_medians(at_step)
             self.full_size, self.full_median = len(at_step), statistics.median(at_step.values())
+        # Every rank's ratio to its peers in a few array operations; only the
+        # ranks beyond RATIO x their peers (rare) are looked at one by one.
+        ranks = list(peers)  # at_step's ranks in its order (none when a rank is alone)
+        ratios = np.fromiter(map(at_step.__getitem__, ranks), float, len(ranks)) / np.maximum(
+            np.fromiter(peers.values(), float, len(ranks)), 1e-12)
         spiked = {}
         held: dict[int, dict] = {}
         bound: Optional[tuple[float, Optional[float]]] = None
-        for rank, peer_median in paced(peers.items()):
-            value = at_step[rank]
+        for rank in [ranks[i] for i in np.flatnonzero(ratios > RATIO * (1 - 1e-9))]:  # a superset: checked below
+            value, peer_median = at_step[rank], peers[rank]
             if value <= RATIO * max(peer_median, 1e-12):
                 continue
             own = self.history.get(rank)
@@ -146,7 +153,7 @@ class Tracker:
                             "ratio_to_peers": ratio, "run_median": run_median,
                             "largest_healthy_ratio": self.peak_ratio or None}
         if not partial and len(at_step) > 1:
-            self._note_margin(run, step, at_step, peers)
+            self._note_margin(run, step, at_step, peers, ranks[int(np.argmax(ratios))])
         size = self.full_size if partial else len(at_step)
         outliers = len(spiked) + len(held)
         minority = outliers < size / 2 or (size == 2 and outliers == 1)
@@ -179,8 +186,10 @@ class Tracker:
             self.norms.append(at_step[rank])
             if rank in peers:
                 self.ratios.append(at_step[rank] / max(peers[rank], 1e-12))
-        self.peak_ratio = max(self.peak_ratio, max((at_step[r] / max(peers[r], 1e-12) for r in at_step
-                                                    if r in peers and r not in held_now), default=0.0))
+        if held_now:
+            ratios = ratios[[i for i, r in enumerate(ranks) if r not in held_now]]
+        if len(ratios):
+            self.peak_ratio = max(self.peak_ratio, float(ratios.max()))
 
     def _judge_candidates(self, run: RunState, step: int) -> None:
         """Candidates whose rank now has WARMUP norms of its own after the
@@ -207,15 +216,15 @@ class Tracker:
             return
 
 
-    def _note_margin(self, run: RunState, step: int, at_step: dict[int, float], peers: dict[int, float]) -> None:
+    def _note_margin(self, run: RunState, step: int, at_step: dict[int, float], peers: dict[int, float],
+                     top: int) -> None:
         """How close the step's most outlying rank came to a verdict. A spike
         must beat all three bounds (its peers, the run's median norm, its own
         history), so the margin is the smallest of its three ratios to them:
         one test alone (a rank 5x its peers on a step whose norm is ordinary
         for the run) is not half a spike. The other two are computed only
         when the peers' ratio would raise the run's margin."""
-        top = max(at_step, key=lambda r: at_step[r] / max(peers[r], 1e-12))
-        value = at_step[top]
+        value = at_step[top]  # the rank of the highest ratio to its peers (the first of equals)
         ratio_bound = max(RATIO, MARGIN * self.peak_ratio, EARLY_RATIO if len(self.ratios) < EARLY_VALUES else 0.0)
         margin = value / max(peers[top], 1e-12) / ratio_bound
         if margin <= margins(run).get("grad_spike", {}).get("margin", 0.0):
