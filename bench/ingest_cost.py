@@ -48,7 +48,7 @@ def main(argv=None) -> int:
 
     bench = _load_bench()
     from rankwatch.collector import codec, service
-    from rankwatch.collector.server import MAX_NODE_REPORT_BYTES, Routes
+    from rankwatch.collector.server import Routes
     from rankwatch.collector.service import Collector
     from rankwatch.config import Config
 
