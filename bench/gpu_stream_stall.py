@@ -24,10 +24,13 @@ step is SLEEP longer; ``own``'s ``compute_s`` is at least ``none``'s plus
 SLEEP/2; no verdict; the syncs are the same in every mode (rankwatch adds
 none). Exit 0 when all hold, 1 when one does not, 2 without a GPU.
 
-Ran on one H200 (torch 2.11.0+cu130, 2026-11-27), SLEEP 20 ms, 150 steps:
-device step none 3.56 ms / own 20.13 / stall 19.08; compute_s median
-2.94 / 21.08 / 2.97 ms; 1 sync in every mode (the job's or DDP's own, the
-same with and without the stall); no verdict.
+Ran on one H200 (torch 2.11.0+cu130, 2026-11-27), SLEEP 20 ms, 150 steps,
+twice (a first version of this job, then this file), none / own / stall:
+device step 3.56 / 20.13 / 19.08 ms and 4.58 / 19.97 / 18.89 ms;
+compute_s median 2.94 / 21.08 / 2.97 ms and 3.77 / 21.24 / 3.23 ms; 1 sync
+in every mode (the job's or DDP's own, the same with and without the
+stall); no verdict. (The fast ``none`` steps are thinned by the agent's
+record sampling: fewer records.)
 """
 
 from __future__ import annotations
