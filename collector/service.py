@@ -21,6 +21,7 @@ from rankwatch.bundles import Bundle, BundleError, repack, unpack
 from rankwatch.redact import redact_obj
 from rankwatch import config as config_mod
 from rankwatch.config import Config
+from rankwatch.node.relay import backoff_cap
 from rankwatch.outputs import report as report_output
 
 from . import analyses, ingest, report as report_mod, stuck
@@ -37,6 +38,9 @@ MAX_EVENTS = 10_000  # per rank, newest kept
 ANALYSIS_INTERVAL = 1.0
 RANKS_PER_ANALYSIS_SECOND = 20_000  # 100,000 ranks: analyses every 5 s (the hang watch still every tick)
 RECENT_TICKS = 600  # ticks whose durations /v1/status summarises
+# Seconds between two ticks past which the collector itself was not running
+# (a tick of 100,000 ranks takes a few seconds; a stopped process, minutes).
+PAUSED_AFTER_S = 30.0
 GC_MANUAL_RANKS = 5_000  # ranks watched from which the collector runs Python's garbage collection itself
 FULL_GC_INTERVAL = 300.0
 THAWED_GC_INTERVAL = 3600.0
@@ -73,6 +77,7 @@ class _RunRuntime:
     announced: dict[tuple[str, str], wire.Verdict] = field(default_factory=dict)
     failed: set = field(default_factory=set)  # what already failed for this run (logged once)
     dead_announced: bool = False  # the dead-run line was said (once per run)
+    named_incidents: set = field(default_factory=set)  # hang incidents whose diagnosis came in
 
 
 class Collector:
@@ -96,6 +101,8 @@ class Collector:
         self.metrics = None  # set by metrics.CollectorMetrics when exported
         self._stop = threading.Event()
         self._recent_ticks: collections.deque[float] = collections.deque(maxlen=RECENT_TICKS)
+        self._last_tick_at: Optional[float] = None
+        self._resumed_at = float("-inf")  # the last tick after the collector had not run (PAUSED_AFTER_S)
         self._gc_manual, self._gc_full_at, self._gc_thawed_at = False, 0.0, 0.0
         self._gc_thresholds = gc.get_threshold()
         self._thread: Optional[threading.Thread] = None
@@ -390,6 +397,13 @@ class Collector:
     def tick(self, now: float) -> None:
         """Hang watch and analyses of every run, each isolated from the others:
         one run's failure is logged once and never stops another's watch."""
+        if self._last_tick_at is not None and now - self._last_tick_at > PAUSED_AFTER_S:
+            # The collector itself did not run (stopped, its VM frozen, its
+            # host swapping): what the relays held is about to arrive.
+            self._resumed_at = now
+            log.warning("the collector did not run for %.0f s: stalls are judged once the relays' backlog is in",
+                        now - self._last_tick_at)
+        self._last_tick_at = now
         with self._lock:
             runs = [(run, self._runtime(run.run_id)) for run in self.runs.values()]
         for run, rt in runs:
@@ -455,7 +469,25 @@ class Collector:
         stalled = now - run.last_progress_seen_at
         if stalled < timeout:
             return
-        if any(i.kind == "hang" and i.opened_at >= run.last_progress_seen_at for i in run.incidents):
+        # What arrives in a backlog (the collector was paused, or the relays
+        # could not reach it) is the job's past: a stall is judged once it is
+        # in, not on the numbers of before it nor on each piece of it. A
+        # backlog shows as a stall that ended on progress made before its
+        # incident opened; until one interval passes with no more such
+        # progress, the next stall waits (one incident, not one per piece).
+        cadence = node_report_interval(run.world_size, timeout) or self.config.heartbeat_interval
+        since = self._backlog_since(run, now, cadence)
+        if since is not None:
+            if now < run.last_progress_arrived_at + cadence:
+                return
+            if any(s.last_heartbeat_at < since for s in run.ranks.values() if s.exit_code is None):
+                return  # a rank's held beats are not in yet (O(ranks), only while a backlog comes)
+        # An incident of this stall: its last progress is the latest seen. Not
+        # "opened after the latest progress": progress delivered late (a
+        # collector outage, a relay's backlog) ends an incident opened on stale
+        # numbers though it is dated before it opened, and the stall that
+        # follows is another one, to be named in turn.
+        if any(i.kind == "hang" and i.last_progress_at >= run.last_progress_seen_at for i in run.incidents):
             return  # already diagnosing this stall
         live = self._live_ranks(run)
         if not live:
@@ -466,6 +498,22 @@ class Collector:
                             requested_ranks=hang.evidence_ranks(run, live, now, stale_after),
                             deadline=now + self._evidence_window(run), details={"stale_after_s": stale_after})
         self._open_incident(run, incident, "hang")
+
+    def _backlog_since(self, run: RunState, now: float, cadence: float) -> Optional[float]:
+        """When the delivery of a backlog began, while one may still be
+        coming: the collector's resumption after it did not run, or the
+        opening of a hang incident whose stall ended on progress made before
+        it opened (the relays could not reach the collector). Bounded by the
+        relays' longest pause between tries (`relay.backoff_cap`) and one
+        cadence more: a rank not heard from by then is judged on what is known."""
+        bound = backoff_cap(cadence) + cadence
+        if now < self._resumed_at + bound:
+            return self._resumed_at
+        last = next((i for i in reversed(run.incidents) if i.kind == "hang"), None)
+        if (last is not None and last.details.get("ended_at", float("inf")) < last.opened_at
+                and now < last.details.get("ended_seen_at", float("-inf")) + bound):
+            return last.opened_at
+        return None
 
     def _evidence_window(self, run: RunState) -> float:
         """How long an incident waits for its bundles: through relays at scale
@@ -590,12 +638,13 @@ class Collector:
                                f"rankwatch aborted the job after diagnosing incident {incident.id}")
                 self._runtime(run.run_id).abort_sent = True
 
-    def _stall_ended(self, run: RunState, incident: Incident) -> bool:
+    def _stall_ended(self, run: RunState, incident: Incident, now: float) -> bool:
         """Progress again after a named stall: it ended by itself."""
         if run.last_progress_seen_at <= incident.last_progress_at:
             return False
         incident.details.pop("open", None)
         incident.details["ended_at"] = run.last_progress_seen_at
+        incident.details["ended_seen_at"] = now  # when the progress that ended it arrived
         incident.details["stalled_s"] = round(run.last_progress_seen_at - incident.last_progress_at, 3)
         self.store.save_incident(run.run_id, incident)
         self._touch(run.run_id, urgent=True)
@@ -608,13 +657,20 @@ class Collector:
         not a verdict), or, with on_hang abort, shown stuck (the job is
         ended). Anything in between waits."""
         found = hang.diagnose(run, incident, now, final=False)
+        rt = self._runtime(run.run_id)
+        if found is not None and incident.id not in rt.named_incidents:
+            # Named now, maybe by time alone (a big job's numbers judged once
+            # STALE_WAIT_S passed with no new data): the analyses' pass must
+            # run to announce it, though nothing new arrived.
+            rt.named_incidents.add(incident.id)
+            self._touch(run.run_id, urgent=True)
         # A rank frozen holding the GIL (its heartbeat thread stopped too) is
         # stuck as named: the supervisor's stack signal may break its wait,
         # and a stall rankwatch ended is not one that ended by itself.
         frozen = found is not None and str(found.evidence.get("reason", "")).startswith("is frozen")
         if frozen:
             incident.details["frozen"] = True
-        elif self._stall_ended(run, incident):
+        elif self._stall_ended(run, incident, now):
             return
         if run.on_hang != "abort" or run.aborted or found is None:
             return
@@ -699,7 +755,7 @@ class Collector:
             for incident in run.incidents:
                 incident.details.pop("abort_pending", None)  # the job is over
                 if incident.kind == "hang" and incident.details.get("open") and not incident.details.get("frozen"):
-                    self._stall_ended(run, incident)  # progress in the ranks' last beats
+                    self._stall_ended(run, incident, time.time())  # progress in the ranks' last beats
                 if not incident.ready:
                     incident.ready = True
                     incident.details.setdefault("diagnosed_at", time.time())

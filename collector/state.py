@@ -348,6 +348,9 @@ class RunState:
     # own progress times (corrected by each rank's clock offset), never the
     # arrival time of a late heartbeat.
     last_progress_seen_at: float = field(default_factory=time.time)
+    # When that latest progress arrived, on the collector's clock: long after
+    # it was made when a backlog is being delivered (after an outage).
+    last_progress_arrived_at: float = field(default_factory=time.time)
     orphan_evidence: list[RankEvidence] = field(default_factory=list)
     # Running summaries, kept up to date as records arrive (never a rescan).
     max_step: int = 0
@@ -413,15 +416,18 @@ class RunState:
             # its previous beat are progress (a stall that ended just before
             # the job did), dated by the agent; the exit itself is not.
             if (hb.step > state.step or hb.forwards > state.forwards) and 0 < hb.last_progress_at <= sent:
-                self.last_progress_seen_at = max(self.last_progress_seen_at,
-                                                 min(now, hb.last_progress_at + state.clock_offset))
+                self._progress(min(now, hb.last_progress_at + state.clock_offset), now)
         elif progressed:
             moved = hb.step > state.step or hb.forwards > state.forwards or hb.phase != state.phase
             # Step, forward or phase: the agent's own time. A collective alone
             # (or a new rank): by the time the heartbeat was built.
             at = hb.last_progress_at if moved and 0 < hb.last_progress_at <= sent else sent
-            self.last_progress_seen_at = max(self.last_progress_seen_at, min(now, at + state.clock_offset))
+            self._progress(min(now, at + state.clock_offset), now)
         return False
+
+    def _progress(self, at: float, now: float) -> None:
+        if at > self.last_progress_seen_at:
+            self.last_progress_seen_at, self.last_progress_arrived_at = at, now
 
     def note_duration(self, record: wire.StepRecord) -> None:
         self.durations.append(max(0.0, record.ended_at - record.started_at))

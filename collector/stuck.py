@@ -88,7 +88,11 @@ def stuck(run: RunState, incident: Incident, culprits: list[int], now: float, co
             per_rank[str(rank)] = {"rule": "exited", "exit_code": state.exit_code}
             continue
         silent = state.silent_for(now)
-        if silent >= max(window, stale_after):
+        if silent >= max(window, stale_after) and (state.vouched_at or _job_heard(run, now, stale_after)):
+            # Silent while its node's supervisor still vouched for it (or,
+            # without one, while other ranks are heard): the rank's own
+            # silence. When nothing of the job is heard, the collector lost
+            # contact (a network cut, its relays down): nothing is shown.
             per_rank[str(rank)] = {"rule": "frozen", "heartbeat_silent_s": round(silent, 1)}
             continue
         idle = _idle(state.activity, now, window)
@@ -106,6 +110,11 @@ def stuck(run: RunState, incident: Incident, culprits: list[int], now: float, co
                         f"though the rank kept working", "abort_timeout_s": round(bound, 1),
                 "stalled_for_s": round(stalled, 1), "ranks": {}}
     return None
+
+
+def _job_heard(run: RunState, now: float, stale_after: float) -> bool:
+    """Whether any rank's heartbeat arrived within ``stale_after``."""
+    return any(now - s.last_heartbeat_at <= stale_after for s in list(run.ranks.values()))
 
 
 def _idle(samples, now: float, window: float) -> Optional[dict[str, Any]]:

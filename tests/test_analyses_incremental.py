@@ -452,3 +452,114 @@ def test_memory_windows_of_many_ranks_hold_each_ranks_last_points():
         assert series.before == expected_before, rank
     growth = window.growth_per_step()
     assert [round(float(g), 3) for g in growth] == [round(window.get(r).growth_per_step(), 3) for r in window.ranks]
+
+
+def test_a_hang_during_a_collector_outage_is_named_after_it():
+    """The collector stops answering for 60 s (paused, or its node lost)
+    while the job runs on and hangs 20 s into the outage. On resuming, it
+    sees 60 s without progress before it reads the beats the relays held,
+    whose progress (dated by the agents, during the outage) moves the stall
+    clock. One incident, of the hang as it is, named on the right rank
+    within hang-timeout + 5 s of the resumption. (It was never named: an
+    incident opened on the stale numbers, ended by the backlog, and a stall
+    whose last progress came before an incident opened was taken for that
+    ended incident's.)"""
+    n, timeout, frozen = 16, 10.0, 3
+    c = _collector(hang_timeout=timeout, evidence_window=3.0)
+    outage, resume, hung_at = T0 + 20.0, T0 + 80.0, T0 + 40.0
+
+    def beat(r: int, t: float) -> wire.Heartbeat:
+        progress = min(t, hung_at)  # every rank stops there: rank 3 frozen, the others wait for it
+        hb = heartbeat("outage", r, n, int(progress - T0), [], t, last_progress_at=progress)
+        if t >= hung_at and r != frozen:
+            hb.collectives_enqueued = {"0": int(hung_at - T0) + 1}  # inside the next collective
+        return hb
+
+    t, verdict_at = T0, None
+    while t < resume + 40 and verdict_at is None:
+        if outage <= t < resume:
+            t += 0.5
+            continue  # nothing taken in, no tick
+        if t == resume:
+            c.tick(t)  # the collector's loop runs before the first request is read
+        for r in range(n):
+            c.ingest_heartbeat(beat(r, t), t)
+        c.tick(t)
+        hangs = [v for v in c.status()["runs"]["outage"]["verdicts"] if v["kind"] == "hang"]
+        if hangs:
+            assert t >= resume and hangs[0]["ranks"] == [frozen], hangs[0]
+            verdict_at = t
+        t += 0.5
+    assert verdict_at is not None, "the hang was never named"
+    assert verdict_at - resume <= timeout + 5.0, verdict_at - resume
+    assert [i.kind for i in c.runs["outage"].incidents] == ["hang"], c.runs["outage"].incidents
+
+
+def test_a_backlog_delivered_node_by_node_names_the_hang_once_all_of_it_is_in():
+    """The relays cannot reach the collector for 40 s (it runs on) while the
+    job hangs 20 s into the cut. The collector opens an incident on what it
+    has (no progress since the cut). The relays then come back one node at
+    a time, 3 s apart, each with beats whose progress was made before that
+    incident opened: the stall it was ended, and the next one is judged only
+    once every rank's held beats are in. Judged sooner, the ranks of the node
+    not yet back would look behind in the collective and be blamed. Nor is
+    the job ended during the cut: every rank silent at once, with nothing of
+    the job heard, is lost contact, not ranks frozen (collector/stuck.py)."""
+    n, timeout, frozen = 16, 10.0, 3
+    c = _collector(hang_timeout=timeout, evidence_window=3.0)
+    cut, back, hung_at = T0 + 20.0, T0 + 60.0, T0 + 40.0
+
+    def beat(r: int, t: float) -> wire.Heartbeat:
+        progress = min(t, hung_at)
+        hb = heartbeat("backlog", r, n, int(progress - T0), [], t, last_progress_at=progress)
+        if t >= hung_at and r != frozen:
+            hb.collectives_enqueued = {"0": int(hung_at - T0) + 1}
+        return hb
+
+    t, verdict_at = T0, None
+    while t < back + 40 and verdict_at is None:
+        for r in range(n):
+            node_back = back + 3.0 * (r // 8)  # node 0 at once, node 1 3 s later
+            if t < cut or t >= node_back:
+                c.ingest_heartbeat(beat(r, t), t)
+        c.tick(t)
+        hangs = [v for v in c.status()["runs"]["backlog"]["verdicts"] if v["kind"] == "hang"]
+        if hangs and t >= back:
+            assert hangs[0]["ranks"] == [frozen], hangs[0]
+            verdict_at = t
+        t += 0.5
+    assert verdict_at is not None, "the hang was never named"
+    assert verdict_at - back <= timeout + 5.0, verdict_at - back
+    assert c.runs["backlog"].aborted is None, c.runs["backlog"].aborted
+    incidents = c.runs["backlog"].incidents
+    assert len(incidents) == 2 and "ended_at" in incidents[0].details, [(i.id, i.details) for i in incidents]
+
+
+def test_a_big_jobs_hang_judged_by_time_alone_is_announced_without_new_data():
+    """300 ranks (past hang.EVIDENCE_FROM_EVERY_RANK): a third of them send
+    nothing after the stall began, so their numbers are not fresh and the
+    diagnosis waits hang.STALE_WAIT_S, then judges on what is known. Nothing
+    new arrives meanwhile to start an analysis pass: the verdict must still
+    be announced once the diagnosis has it."""
+    from rankwatch.collector.analyses import hang
+
+    n, timeout, frozen = 300, 10.0, 7
+    c = _collector(hang_timeout=timeout, evidence_window=3.0)
+    hung_at = T0 + 20.0
+    t, verdict_at = T0, None
+    while t < hung_at + timeout + hang.STALE_WAIT_S + 15 and verdict_at is None:
+        if t < hung_at + 2:
+            for r in range(n):
+                if t >= hung_at and r % 3 == 0:
+                    continue  # a third of the ranks: nothing after the stall began
+                progress = min(t, hung_at)
+                hb = heartbeat("quiet", r, n, int(progress - T0), [], t, last_progress_at=progress)
+                if t >= hung_at and r != frozen:
+                    hb.collectives_enqueued = {"0": int(hung_at - T0) + 1}
+                c.ingest_heartbeat(hb, t)
+        c.tick(t)
+        if any(v["kind"] == "hang" for v in c.status()["runs"]["quiet"]["verdicts"]):
+            verdict_at = t
+        t += 0.5
+    assert verdict_at is not None, "the hang was never announced"
+    assert verdict_at - hung_at <= timeout + hang.STALE_WAIT_S + 5.0, verdict_at - hung_at
