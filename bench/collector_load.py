@@ -294,6 +294,10 @@ class Recorded:
         beat.pop("version", None)
         beat["step"] += offset
         beat["forwards"] = beat.get("forwards", 0) + offset
+        # A heartbeat's sequence number only grows in a live agent; the
+        # recording's would wrap with its steps (k = step % len), and the
+        # collector drops a beat older than one it has as stale.
+        beat["seq"] = step + 1
         for key in ("sent_at", "phase_since", "last_progress_at"):
             if isinstance(beat.get(key), (int, float)):
                 beat[key] += dt
