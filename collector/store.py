@@ -112,6 +112,40 @@ def _dumps_steps(per_rank: dict[int, list[wire.StepRecord]]) -> str:
     return _dumps(value)
 
 
+def _all_finite(values: list) -> bool:
+    try:
+        return all(map(math.isfinite, values))
+    except (TypeError, OverflowError):  # not numbers, or an integer past a float's range: the strict encoder
+        return False
+
+
+def _prints_row(queued: list[dict[str, Any]]) -> tuple[int, int, str]:
+    """A rank's fingerprints of one flush as (first step, last step, text) of
+    {"names": [...], "prints": [...]}: a print's names are an index into
+    `names`, a list of names written once while it repeats. A non-finite
+    norm takes the strict encoder (written as "NaN"), the rest the fast one."""
+    names: list[list[str]] = []
+    prints = []
+    steps = []
+    finite = True
+    for fp in queued:
+        item = dict(fp)
+        listed = item.pop("names", None)
+        if isinstance(listed, list):
+            if not names or listed is not names[-1]:
+                names.append(listed)
+            item["names"] = len(names) - 1
+        step = item.get("step")
+        if isinstance(step, int):
+            steps.append(step)
+        norms = item.get("norms")
+        if finite and isinstance(norms, list):
+            finite = _all_finite(norms)
+        prints.append(item)
+    value = {"names": names, "prints": prints}
+    return min(steps, default=-1), max(steps, default=-1), _dumps_finite(value) if finite else _dumps(value)
+
+
 def _dumps_finite(value: Any) -> str:
     """_dumps of a value with no non-finite number (validated integers,
     finite floats, text): msgspec's encoder, ~10x json's, gives the same
@@ -147,13 +181,22 @@ def _norms(fingerprint: dict[str, Any]) -> dict[str, Any]:
     return fingerprint
 
 
-class _Pending:
-    __slots__ = ("steps", "marks", "fingerprints")
+def _queue(per_rank: dict[int, list], rank: int, items: list, bound: int) -> None:
+    """A rank's items waiting for the next bulk write, the newest `bound` of them."""
+    queue = per_rank.get(rank)
+    if queue is None:
+        per_rank[rank] = items[-bound:]  # a copy: the caller's list is not kept
+    else:
+        queue.extend(items)
+        if len(queue) > bound:
+            del queue[:-bound]
 
-    def __init__(self) -> None:
-        self.steps: list[wire.StepRecord] = []
-        self.marks: list[wire.CollectiveMark] = []
-        self.fingerprints: list[dict[str, Any]] = []
+
+def _index_stride(world: int) -> int:
+    """Past SAMPLED_ABOVE ranks the index keeps every 2^k-th step of each rank
+    (the same steps on every rank), ~10,000 ranks' worth of records: enough
+    to rebuild the analyses offline, cheap to write."""
+    return 1 << max(0, (world - 1) // SAMPLED_ABOVE).bit_length() if world > SAMPLED_ABOVE else 1
 
 
 class Store:
@@ -173,7 +216,10 @@ class Store:
         self._bulk_wanted = False
         self._ranks_at = 0.0  # when the ranks' rows were last written (monotonic)
         self._saved_runs: dict[str, tuple] = {}  # run -> the runs row last queued
-        self._batches: dict[tuple[str, int], _Pending] = {}
+        # What the next bulk write takes, per run and rank (one row per run and kind).
+        self._steps: dict[str, dict[int, list[wire.StepRecord]]] = {}
+        self._marks: dict[str, dict[int, list[wire.CollectiveMark]]] = {}
+        self._prints: dict[str, dict[int, list[dict[str, Any]]]] = {}
         self._max_step: dict[str, int] = {}
         self._flush_interval = flush_interval
         self._wake = threading.Event()
@@ -256,23 +302,28 @@ class Store:
     def _take_changes(self) -> None:
         """What ingest noted since the last flush joins the queues below. One
         row that cannot be queued (its details refuse to encode) is dropped
-        alone, logged, never the rest of the batch."""
+        alone, logged, never the rest of the batch. Heartbeats are queued
+        under one hold of the lock (100,000 ranks: ~10,000 beats a second)."""
         if self.changes is None:
             return
         noted = self.changes.take()
         if not noted:
             return
-        saves: list[tuple[Callable[..., None], tuple, dict]] = [(self.save_run, (run,), {}) for run in noted.runs.values()]
-        saves += [(self.save_bundle, bundle, {}) for bundle in noted.bundles]
-        saves += [(self.save_heartbeat_data, (run_id, rank, hb), {"fingerprints": fingerprints})
-                  for run_id, rank, hb, fingerprints in noted.beats]
-        saves += [(self.save_events, events, {}) for events in noted.events]
-        saves += [(self.save_rank, (run_id, state), {}) for (run_id, _), state in noted.ranks.items()]
-        for save, args, kwargs in saves:
+        saves: list[tuple[Callable[..., None], tuple]] = [(self.save_run, (run,)) for run in noted.runs.values()]
+        saves += [(self.save_bundle, bundle) for bundle in noted.bundles]
+        saves += [(self.save_events, events) for events in noted.events]
+        for save, args in saves:
             try:
-                save(*args, **kwargs)
+                save(*args)
             except Exception:
                 log.exception("index: one %s row not written", save.__name__.removeprefix("save_"))
+        with self._pending_lock:
+            for run_id, rank, hb, fingerprints in noted.beats:
+                try:
+                    self._queue_beat(run_id, rank, hb, hb.steps, fingerprints)
+                except Exception:
+                    log.exception("index: one heartbeat row not written")
+            self._ranks.update(noted.ranks)
 
     def _flush_once(self, bulk: bool = True, everything: bool = True) -> None:
         with self._pending_lock:
@@ -283,9 +334,13 @@ class Store:
         with self._pending_lock:
             sql, self._sql = self._sql, []
             verdicts, self._verdicts = self._verdicts, {}
-            ranks, batches = {}, {}
+            ranks: dict[tuple[str, int], RankState] = {}
+            steps: dict[str, dict[int, list[wire.StepRecord]]] = {}
+            marks: dict[str, dict[int, list[wire.CollectiveMark]]] = {}
+            prints: dict[str, dict[int, list[dict[str, Any]]]] = {}
             if bulk:
-                batches, self._batches = self._batches, {}
+                steps, marks, prints = self._steps, self._marks, self._prints
+                self._steps, self._marks, self._prints = {}, {}, {}
                 # A rank's row is its latest state, for a restart: on a big job
                 # written less often (100,000 rows cost ~0.5 s of CPU).
                 every = BULK_INTERVAL * max(1.0, len(self._ranks) / RANK_ROWS_PER_BULK)
@@ -308,34 +363,21 @@ class Store:
             except RuntimeError:  # a dict changed while it was copied: next flush
                 with self._pending_lock:
                     self._ranks.setdefault((run_id, s.rank), s)
+        # The step records of every rank in one row per run; marks and
+        # fingerprints in one row per rank (one encoding each: a single
+        # encoding of 100,000 ranks' prints was no cheaper than 100,000).
         batch_rows = []
-        steps_of_run: dict[str, dict[int, list[wire.StepRecord]]] = {}
-        for (run_id, rank), pending in batches.items():
-            if pending.steps:
-                steps_of_run.setdefault(run_id, {})[rank] = pending.steps
-            if pending.marks:
-                marks = pending.marks
-                batch_rows.append((run_id, rank, "marks", marks[0].step, marks[-1].step,
-                                   _dumps_finite([[m.step, m.seqs] for m in marks])))
-            if pending.fingerprints:
-                names: list[list[str]] = []
-                prints = []
-                for fp in pending.fingerprints:
-                    item = {k: v for k, v in fp.items() if k != "names"}
-                    if isinstance(fp.get("names"), list):
-                        if not names or fp["names"] is not names[-1]:
-                            names.append(fp["names"])
-                        item["names"] = len(names) - 1
-                    prints.append(item)
-                steps_of = [fp.get("step") for fp in pending.fingerprints if isinstance(fp.get("step"), int)]
-                finite = all(type(v) is not float or math.isfinite(v) for item in prints
-                             for v in (item.get("norms") if isinstance(item.get("norms"), list) else ()))
-                value = {"names": names, "prints": prints}
-                batch_rows.append((run_id, rank, "fingerprints", min(steps_of, default=-1), max(steps_of, default=-1),
-                                   _dumps_finite(value) if finite else _dumps(value)))
-        for run_id, per_rank in steps_of_run.items():
-            first = min(steps[0].step for steps in per_rank.values())
-            last = max(steps[-1].step for steps in per_rank.values())
+        for run_id, per_rank in marks.items():
+            batch_rows += [(run_id, rank, "marks", queued[0].step, queued[-1].step,
+                            _dumps_finite([[m.step, m.seqs] for m in queued])) for rank, queued in per_rank.items()]
+        for run_id, per_rank in prints.items():
+            for i, (rank, queued) in enumerate(per_rank.items()):
+                if i % 2_000 == 1_999:
+                    time.sleep(0)  # hand the interpreter to the collector's HTTP thread
+                batch_rows.append((run_id, rank, "fingerprints", *_prints_row(queued)))
+        for run_id, per_rank in steps.items():
+            first = min(records[0].step for records in per_rank.values())
+            last = max(records[-1].step for records in per_rank.values())
             batch_rows.append((run_id, -1, "steps_by_rank", first, last, _dumps_steps(per_rank)))
             if last > self._max_step.get(run_id, -1):
                 self._max_step[run_id] = last
@@ -427,33 +469,30 @@ class Store:
                             fingerprints: Optional[list[dict[str, Any]]] = None) -> None:
         if self.readonly:
             return
-        steps = hb.steps if steps is None else steps
-        fingerprints = hb.fingerprints if fingerprints is None else fingerprints
+        with self._pending_lock:
+            self._queue_beat(run_id, rank, hb, hb.steps if steps is None else steps,
+                             hb.fingerprints if fingerprints is None else fingerprints)
+        self._ensure_writer()
+
+    def _queue_beat(self, run_id: str, rank: int, hb: wire.Heartbeat, steps: list[wire.StepRecord],
+                    fingerprints: list[dict[str, Any]]) -> None:
+        """One heartbeat's records, marks, fingerprints and events, queued
+        (the caller holds the pending lock)."""
         world = hb.identity.world_size
-        if steps and world > SAMPLED_ABOVE:
-            # Past 10,000 ranks the index keeps every 2^k-th step of each rank
-            # (the same steps on every rank), ~10,000 ranks' worth of records:
-            # enough to rebuild the analyses offline, cheap to write.
-            stride = 1 << max(0, (world - 1) // SAMPLED_ABOVE).bit_length()
-            steps = [r for r in steps if r.step % stride == 0]
-        if steps or hb.marks or fingerprints:
-            bound = max(16, min(MAX_PENDING_PER_RANK, 2_000_000 // max(1, world)))
-            with self._pending_lock:
-                pending = self._batches.get((run_id, rank))
-                if pending is None:
-                    pending = self._batches[(run_id, rank)] = _Pending()
-                if steps:
-                    pending.steps.extend(steps)
-                    del pending.steps[:-bound]
-                if hb.marks:
-                    pending.marks.extend(hb.marks)
-                    del pending.marks[:-MAX_PENDING_PER_RANK]
-                if fingerprints:
-                    pending.fingerprints.extend(fingerprints)
-                    del pending.fingerprints[:-256]
-            self._ensure_writer()
-        if hb.events:
-            self.save_events(run_id, rank, hb.events)
+        if steps:
+            stride = _index_stride(world)
+            if stride > 1:
+                steps = [r for r in steps if r.step % stride == 0]
+            if steps:
+                bound = max(16, min(MAX_PENDING_PER_RANK, 2_000_000 // max(1, world)))
+                _queue(self._steps.setdefault(run_id, {}), rank, steps, bound)
+        if hb.marks:
+            _queue(self._marks.setdefault(run_id, {}), rank, hb.marks, MAX_PENDING_PER_RANK)
+        if fingerprints:
+            _queue(self._prints.setdefault(run_id, {}), rank, fingerprints, 256)
+        for e in hb.events:
+            self._sql.append(("INSERT INTO events VALUES (?,?,?,?,?,?)",
+                              (run_id, rank, e.kind, e.at, e.step, _dumps_shared(e.details))))
 
     def save_events(self, run_id: str, rank: int, events: list[wire.Event]) -> None:
         for e in events:
