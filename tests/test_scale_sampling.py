@@ -259,6 +259,44 @@ def test_a_big_jobs_hang_asks_only_its_suspects_and_is_named_before_the_evidence
     c.stop()
 
 
+def test_a_big_jobs_diagnosis_waiting_for_fresher_numbers_is_asked_again_once_a_second(monkeypatch):
+    """Every tick asks for the hang diagnosis several times (the incident's
+    follow-up, the analyses' pass), each a read of every rank under the
+    ingest lock. A big job's "not yet" is kept for NOT_YET_RECHECK_S; a
+    small job's is asked every time, and a verdict found is kept as before."""
+    from rankwatch.collector.state import Incident
+
+    calls = []
+    answer = {"verdict": None}
+
+    def counted(run, incident, evidence, now, final):
+        calls.append(now)
+        return answer["verdict"]
+
+    monkeypatch.setattr(hang, "_diagnose", counted)
+    now = 1000.0
+    for world, expected in ((hang.EVIDENCE_FROM_EVERY_RANK + 1, 1), (8, 5)):
+        run = RunState(f"w{world}", world_size=world)
+        for r in range(world):
+            run.rank(r)
+        incident = Incident(id="hang-1", kind="hang", opened_at=now, last_progress_at=now - 20, timeout=20.0)
+        calls.clear()
+        for _ in range(5):
+            assert hang.diagnose(run, incident, now + 0.5, final=False) is None
+        assert len(calls) == expected
+    # The big job, past the recheck interval: asked again, and what it finds is kept.
+    big = RunState("again", world_size=hang.EVIDENCE_FROM_EVERY_RANK + 1)
+    for r in range(big.world_size):
+        big.rank(r)
+    incident = Incident(id="hang-1", kind="hang", opened_at=now, last_progress_at=now - 20, timeout=20.0)
+    calls.clear()
+    hang.diagnose(big, incident, now, final=False)
+    answer["verdict"] = "named"
+    assert hang.diagnose(big, incident, now + 0.2, final=False) is None  # within the interval: the kept answer
+    assert hang.diagnose(big, incident, now + hang.NOT_YET_RECHECK_S + 0.1, final=False) == "named"
+    assert hang.diagnose(big, incident, now + 100, final=False) == "named" and len(calls) == 2
+
+
 def test_marks_and_fingerprints_reload_from_the_index_as_sent(tmp_path):
     """Every rank's marks and fingerprints go to the index each flush through
     the fast encoder where nothing is non-finite; a NaN norm takes the strict

@@ -109,6 +109,7 @@ def with_references(live: list[int], chosen: list[int]) -> list[int]:
 
 FRESH_SHARE = 0.9  # big jobs: share of ranks heard from since the stall began before judging by numbers
 STALE_WAIT_S = 30.0  # ... or this long after the incident opened (a judgement on what is known)
+NOT_YET_RECHECK_S = 1.0  # big jobs: a diagnosis waiting for fresher numbers is asked again at most this often
 
 
 def diagnose(run: RunState, incident: Incident, now: Optional[float] = None,
@@ -120,11 +121,16 @@ def diagnose(run: RunState, incident: Incident, now: Optional[float] = None,
                  len(run.notable), final, "stuck" in incident.details)
     cache = run.trackers.setdefault("_hang_diagnoses", {})
     cached = cache.get(incident.id)
+    now = time.time() if now is None else now
     if cached is not None and cached[0] == signature:
-        return cached[1]
-    found = _diagnose(run, incident, evidence, time.time() if now is None else now, final)
-    if found is not None:
-        cache[incident.id] = (signature, found)
+        if cached[1] is not None or 0.0 <= now - cached[2] < NOT_YET_RECHECK_S:
+            return cached[1]
+    found = _diagnose(run, incident, evidence, now, final)
+    if found is not None or len(run.ranks) > EVIDENCE_FROM_EVERY_RANK:
+        # A big job's "not yet" too: asked again once its numbers may have
+        # changed, not by every caller of every tick (each asking reads every
+        # rank, under the ingest lock: ~0.3 s at 100,000 ranks).
+        cache[incident.id] = (signature, found, now)
     return found
 
 
