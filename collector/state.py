@@ -136,17 +136,21 @@ class FingerprintLog:
         self.rank = -1
         self.feed: Optional[Feed] = None
         self.names: Optional[dict[tuple, list]] = None
+        self._shared: Optional[list] = None  # the last shared names list this log handed out
 
     def append(self, fingerprint: dict[str, Any]) -> None:
         if not isinstance(fingerprint, dict):
             return
         names = fingerprint.get("names")
-        if isinstance(names, (list, tuple)) and self.names is not None:
+        if names is self._shared:
+            pass  # the rank's previous names (ingest fills them in): shared already, not re-keyed per print
+        elif isinstance(names, (list, tuple)) and self.names is not None:
             key = tuple(str(n) for n in names)
             shared = self.names.get(key)
             if shared is None:
                 shared = self.names[key] = list(key)  # one list for every rank and step (never mutated)
             fingerprint = {**fingerprint, "names": shared}
+            self._shared = shared
         self._items.append(fingerprint)
         if self.feed is not None:
             self.feed.put("fingerprint", self.rank, fingerprint)
