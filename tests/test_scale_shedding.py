@@ -83,3 +83,79 @@ def test_a_collector_behind_answers_at_once_with_retry_after_and_takes_in_what_i
     finally:
         server.stop()
         collector.stop()
+
+
+def _post_retry(port: int, body: bytes, retry: int, timeout: float = 5.0) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("POST", "/v1/node-report", body=body,
+                     headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json",
+                              wire.RETRY_HEADER: str(retry)})
+        response = conn.getresponse()
+        response.read()
+        return response.status
+    except OSError:
+        return 0
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("kind", ["aiohttp", "stdlib"])
+def test_a_full_collector_takes_a_refused_nodes_retry_in_its_reserve(tmp_path, kind):
+    """Refusals spread over the nodes: a report whose relay was refused
+    before (its retry header) is admitted in a reserve above the slots, so a
+    node is not refused again and again while its backoff grows (issue 29:
+    every rank seen, the hang watch's fresh numbers). First tries are still
+    refused at once, and the reserve is bounded."""
+    collector = Collector(Config(hang_timeout=30.0), data_dir=tmp_path)
+    budget = AdmissionConfig(latency_budget_s=30.0, min_slots=4, max_slots=4)  # full, never "behind" here
+    server = (AsyncCollectorServer if kind == "aiohttp" else CollectorServer)(collector, token=TOKEN,
+                                                                               admission=budget).start()
+    port = int(server.url.rsplit(":", 1)[1])
+    try:
+        assert _post(port, _report(0))[0] == 200
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            collector._lock.acquire()  # a long tick: what is admitted waits
+            try:
+                held = [pool.submit(_post, port, _report(n)) for n in range(1, 5)]  # the 4 slots
+                deadline = time.monotonic() + 3.0
+                while server.admission.inflight < 4 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert server.admission.inflight == 4
+                assert _post(port, _report(5))[0] == 503  # a first try: refused at once
+                retried = pool.submit(_post_retry, port, _report(6), 2)  # a retry: the reserve (one slot)
+                while server.admission.inflight < 5 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert server.admission.inflight == 5
+                assert _post_retry(port, _report(7), 1) == 503  # the reserve is bounded
+            finally:
+                collector._lock.release()
+            assert [f.result()[0] for f in held] == [200] * 4
+            assert retried.result() == 200
+        taken = {8 * n + r for n in (0, 1, 2, 3, 4, 6) for r in range(8)}  # 5 and 7 were refused
+        assert set(collector.runs["busy"].ranks) == taken
+    finally:
+        server.stop()
+        collector.stop()
+
+
+def test_a_retrys_reserve_is_bounded_in_slots_and_in_waiting():
+    from rankwatch.collector.admission import Admission, retried
+
+    admission = Admission(AdmissionConfig(latency_budget_s=1.0, min_slots=4, max_slots=4))
+    tickets = [admission.enter() for _ in range(4)]
+    assert None not in tickets and admission.enter() is None  # full
+    extra = admission.enter(retried=True)
+    assert extra is not None and admission.enter(retried=True) is None  # a quarter more, at least one
+    for t in tickets + [extra]:
+        admission.leave(t, 0.001)
+    # Behind: the oldest admitted report waited past the budget; a retry may
+    # still come in up to twice the budget, then not.
+    admission = Admission(AdmissionConfig(latency_budget_s=1.0, min_slots=4, max_slots=4))
+    first = admission.enter()
+    admission._inflight[first] = time.monotonic() - 1.5
+    assert admission.enter() is None and admission.enter(retried=True) is not None
+    admission._inflight[first] = time.monotonic() - 2.5
+    assert admission.enter(retried=True) is None
+    assert [retried(v) for v in ("1", "12", "0", "", None, "x", "-1", "\u00b2", "9999999")] == [
+        True, True, False, False, False, False, False, False, False]
