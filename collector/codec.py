@@ -438,7 +438,7 @@ if _msgspec is not None:
     assert len(_Row.__args__) == len(_STEP_COLUMNS)
     _List = _Meta(max_length=wire.MAX_LIST_ITEMS)
 
-    class _TypedIdentity(_msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    class _TypedIdentity(_msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
         run_id: Annotated[str, _Meta(min_length=1, pattern=wire.ID_PATTERN.pattern)]
         rank: _Rank
         local_rank: _Rank
@@ -448,17 +448,17 @@ if _msgspec is not None:
         pid: Annotated[int, _Meta(ge=0, le=wire.MAX_PID)] = 0
         attempt: _Count = 0
 
-    class _TypedMark(_msgspec.Struct, forbid_unknown_fields=True):
+    class _TypedMark(_msgspec.Struct, forbid_unknown_fields=True, gc=False):
         step: _Count
         seqs: _Seqs = {}
 
-    class _TypedEvent(_msgspec.Struct, forbid_unknown_fields=True):
+    class _TypedEvent(_msgspec.Struct, forbid_unknown_fields=True, gc=False):
         kind: _Token
         at: _Time
         step: Optional[Annotated[int, _Meta(ge=-1, le=_MAX_COUNT)]] = None
         details: _msgspec.Raw = _msgspec.Raw(b"{}")  # checked by wire's decoder once per distinct text
 
-    class _TypedBeat(_msgspec.Struct, forbid_unknown_fields=True):
+    class _TypedBeat(_msgspec.Struct, forbid_unknown_fields=True, gc=False):
         identity: _TypedIdentity
         sent_at: _Time
         version: Annotated[int, _Meta(ge=0, le=wire.WIRE_VERSION)] = 1
@@ -482,7 +482,7 @@ if _msgspec is not None:
         io_bytes: Optional[_Bytes] = None
         wakeups: Optional[_Bytes] = None
 
-    class _TypedWorker(_msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    class _TypedWorker(_msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
         local_rank: _Rank
         rank: _Rank
         pid: Annotated[int, _Meta(ge=1, le=wire.MAX_PID)]
@@ -490,7 +490,7 @@ if _msgspec is not None:
         exit_code: Optional[Annotated[int, _Meta(ge=-wire.MAX_EXIT_CODE, le=wire.MAX_EXIT_CODE)]] = None
         exited_at: Optional[_Time] = None
 
-    class _TypedNode(_msgspec.Struct, forbid_unknown_fields=True):
+    class _TypedNode(_msgspec.Struct, forbid_unknown_fields=True, gc=False):
         run_id: Annotated[str, _Meta(min_length=1, pattern=wire.ID_PATTERN.pattern)]
         host: Annotated[str, _Meta(max_length=255)]
         node_rank: _Rank
@@ -503,7 +503,7 @@ if _msgspec is not None:
         launcher_pid: Annotated[int, _Meta(ge=0, le=wire.MAX_PID)] = 0
         version: Annotated[int, _Meta(ge=0, le=wire.WIRE_VERSION)] = 1
 
-    class _TypedReport(_msgspec.Struct):
+    class _TypedReport(_msgspec.Struct, gc=False):
         version: Annotated[int, _Meta(ge=0, le=wire.WIRE_VERSION)] = 1
         sent_at: _Time = 0.0
         node: Optional[_TypedNode] = None

@@ -72,7 +72,7 @@ class RankIdentity:
     attempt: int = 0
 
 
-@dataclass
+@dataclass(slots=True)  # one object a record, no __dict__: a big job's windows hold millions
 class StepRecord:
     """One completed optimizer step on one rank (times are unix seconds)."""
 
@@ -101,7 +101,7 @@ class StepRecord:
     lr: Optional[float] = None
 
 
-@dataclass
+@dataclass(slots=True)
 class CollectiveMark:
     """Per process group, the last enqueued collective sequence number at the
     end of optimizer step ``step``. Ranks of one group must agree."""
