@@ -10,13 +10,6 @@ decoded, or answered at once with 503, `Retry-After` and the cadence:
 - *full*: as many reports are in as the budget holds at the measured cost of
   one (an exponential average), between MIN_SLOTS and MAX_SLOTS.
 
-A report whose sender was refused before (a relay says so: header
-`X-Rankwatch-Retry`, its count of failed tries) has a reserve: a quarter
-more slots and twice the budget. Shedding then falls on different nodes in
-turn, not again and again on the same ones, whose backoff grows with each
-refusal: a node's silence is what the cold start's "every rank seen" and
-the hang watch's fresh numbers wait for.
-
 So a backlog costs its senders one cheap answer each, not a timeout each;
 what is admitted is taken in within about the budget, and the hang watch
 keeps working from it. Senders back off (the relays exponentially with
@@ -33,12 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from rankwatch import wire
-
 INGEST_PATHS = ("/v1/heartbeat", "/v1/node-report", "/v1/nodes")
-RETRY_HEADER = wire.RETRY_HEADER  # a relay's failed tries before this report (absent: none)
-RETRY_SLOTS_SHARE = 0.25  # a retried report's reserve above the slots ...
-RETRY_BUDGET_FACTOR = 2.0  # ... and its latency budget, as a multiple of the others'
 
 
 @dataclass
@@ -65,21 +53,13 @@ class Admission:
         c = self.config
         return max(c.min_slots, min(c.max_slots, int(c.latency_budget_s / max(self.cost_s, 1e-6))))
 
-    def enter(self, retried: bool = False) -> Optional[int]:
-        """A ticket for a report to take in, or None: answer `shed_response()`.
-        ``retried``: its sender was refused (or timed out) before."""
+    def enter(self) -> Optional[int]:
+        """A ticket for a report to take in, or None: answer `shed_response()`."""
         now = time.monotonic()
-        c = self.config
         with self._lock:
             oldest = next(iter(self._inflight.values()), None)
-            waited = 0.0 if oldest is None else now - oldest
-            slots = self.slots
-            if retried:
-                refused = (waited > RETRY_BUDGET_FACTOR * c.latency_budget_s
-                           or len(self._inflight) >= slots + max(1, int(slots * RETRY_SLOTS_SHARE)))
-            else:
-                refused = waited > c.latency_budget_s or len(self._inflight) >= slots
-            if refused:
+            behind = oldest is not None and now - oldest > self.config.latency_budget_s
+            if behind or len(self._inflight) >= self.slots:
                 self.shed += 1
                 return None
             ticket = self._next_ticket
@@ -130,8 +110,3 @@ def collector_cadence(collector: Any) -> Callable[[], Optional[float]]:
         return cached["value"]
 
     return cadence
-
-
-def retried(value: Optional[str]) -> bool:
-    """Whether a request's `X-Rankwatch-Retry` header says its sender was refused before."""
-    return bool(value) and len(value) <= 6 and value.isascii() and value.isdigit() and int(value) > 0

@@ -51,7 +51,7 @@ from typing import Any, Callable, Optional
 from rankwatch import wire
 
 from . import codec
-from .admission import INGEST_PATHS, RETRY_HEADER, Admission, AdmissionConfig, collector_cadence, retried
+from .admission import INGEST_PATHS, Admission, AdmissionConfig, collector_cadence
 from .service import Collector, RequestError
 
 log = logging.getLogger("rankwatch.collector")
@@ -374,7 +374,7 @@ def _make_handler(routes: Routes, admission: Optional[Admission] = None):
                     return
                 ticket = None
                 if admission is not None and method == "POST" and path in INGEST_PATHS:
-                    ticket = admission.enter(retried(self.headers.get(RETRY_HEADER)))
+                    ticket = admission.enter()
                     if ticket is None:  # behind: answered before the body is read, the connection closed
                         self.close_connection = True
                         self._send(admission.shed_response())
@@ -535,7 +535,7 @@ class AsyncCollectorServer:
                 return response
             ticket = None
             if method == "POST" and path in INGEST_PATHS:
-                ticket = server.admission.enter(retried(request.headers.get(RETRY_HEADER)))
+                ticket = server.admission.enter()
                 if ticket is None:  # behind: answered before the body is decoded
                     response = _aio_response(web, server.admission.shed_response())
                     if request.content.is_eof():

@@ -21,9 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 WIRE_VERSION = 1
-# HTTP header of a relay's node report: how many tries before it failed or
-# were refused (absent: none). A busy collector gives retries a reserve.
-RETRY_HEADER = "X-Rankwatch-Retry"
 REPORT_SCHEMA = "rankwatch.report/v1"
 BUNDLE_SCHEMA = "rankwatch.bundle/v1"
 

@@ -333,11 +333,7 @@ class Relay:
             body = self._encode(node, pending)
             self.largest_upload = max(self.largest_upload, len(body))
             try:
-                # A retry says so: a busy collector gives it a reserve, so refusals
-                # spread over the nodes instead of falling on the same ones (admission.py).
-                retry = {wire.RETRY_HEADER: str(min(self._failures, 999_999))} if self._failures else None
-                raw = self.upstream_post("/v1/node-report", body, "application/json", timeout=timeout,
-                                         headers=retry)
+                raw = self.upstream_post("/v1/node-report", body, "application/json", timeout=timeout)
             except Exception as exc:
                 with self._lock:  # keep it for the next report, merged under what came since
                     for rank, beat in pending.items():
