@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import gzip
 import json
 import os
@@ -84,6 +85,8 @@ _FP_COLUMN = wire.STEP_COLUMNS.index("batch_fp")
 _FP_SENTINEL = 9_007_199_254_000_000  # below 2**53, far from any recorded value
 _SENT_AT = 99_999_999_999.0  # a beat's sent_at in the cached tails, set when it is sent
 _SENT_SENTINEL = b'"sent_at":%s' % json.dumps(_SENT_AT).encode()
+_SEQ = 987_654_321_987  # a beat's sequence number in the cached tails, set when it is sent
+_SEQ_SENTINEL = b'"seq":%d' % _SEQ
 
 
 # ---------------------------------------------------------------------------------------
@@ -296,7 +299,8 @@ class Recorded:
         beat["forwards"] = beat.get("forwards", 0) + offset
         # A heartbeat's sequence number only grows in a live agent; the
         # recording's would wrap with its steps (k = step % len), and the
-        # collector drops a beat older than one it has as stale.
+        # collector drops a beat older than one it has as stale (`tail` sets
+        # the one sent, from the time).
         beat["seq"] = step + 1
         for key in ("sent_at", "phase_since", "last_progress_at"):
             if isinstance(beat.get(key), (int, float)):
@@ -327,7 +331,13 @@ class Recorded:
         text, fps = self._local_tail(local, since, step, job, culprit, stride)
         # Sent now, whatever the cache: a hung job's agents go on beating (a
         # stale time would read as a heartbeat thread gone silent).
-        text = text.replace(_SENT_SENTINEL, b'"sent_at":%.3f' % time.time(), 1)
+        now = time.time()
+        text = text.replace(_SENT_SENTINEL, b'"sent_at":%.3f' % now, 1)
+        # A live agent's beat counter grows with every beat, whatever the step
+        # (a hung job's too): a report that reaches the collector after a newer
+        # one of its node (its request timed out, then was taken in) is stale,
+        # as it would be. Milliseconds of the job stand in for the count.
+        text = text.replace(_SEQ_SENTINEL, b'"seq":%d' % (1 + int(1000 * max(0.0, now - job.started))), 1)
         for i, fp in enumerate(fps):
             text = text.replace(b"%d" % (_FP_SENTINEL + i), b"%d" % ((fp * 1_000_003 + rank) % wire.MAX_COUNT), 1)
         return text
@@ -363,6 +373,7 @@ class Recorded:
                 merged["collectives_enqueued"] = {pg: v + 1 for pg, v in
                                                   (merged.get("collectives_enqueued") or {"0": 0}).items()}
         merged["sent_at"] = _SENT_AT
+        merged["seq"] = _SEQ
         fps: list[int] = []  # the recorded batch fingerprints, each replaced by a sentinel `tail` rewrites
         rows = merged.get("step_rows") or []
         if rows and merged.get("step_columns") == list(wire.STEP_COLUMNS):
@@ -395,6 +406,7 @@ class Stats:
         self.latencies: list[float] = []
         self.sent = self.ok = self.errors = self.heartbeats = 0
         self.error_samples: list[str] = []
+        self.error_kinds: collections.Counter = collections.Counter()  # "HTTP 503", "TimeoutError", ...
         self.recording = False
 
     def record(self, latency: float, ok: bool, beats: int, why: str = "", shed: bool = False) -> None:
@@ -408,6 +420,7 @@ class Stats:
             self.latencies.append(latency)
         else:
             self.errors += 1
+            self.error_kinds[why.split(":", 1)[0] or "?"] += 1
             if len(self.error_samples) < 5:
                 self.error_samples.append(why)
 
@@ -653,7 +666,7 @@ async def run_load(url: str, job: Job, mode: str, history: int, measure: float, 
         "offered_per_s": (nodes if mode == "relay" else job.ranks) / sim.interval,
         "sent_per_s": stats.sent / elapsed, "accepted_per_s": stats.ok / elapsed,
         "heartbeats_per_s": stats.heartbeats / elapsed, "errors": stats.errors,
-        "error_samples": stats.error_samples,
+        "error_samples": stats.error_samples, "error_kinds": dict(stats.error_kinds),
         "p50_ms": 1000 * lat[len(lat) // 2] if lat else None,
         "p99_ms": 1000 * lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else None,
         "collector_cpu": (cpu1 - cpu0) / elapsed, "collector_rss_mib": rss, "collector_peak_rss_mib": peak,
@@ -791,7 +804,7 @@ def _line(r: dict[str, Any]) -> str:
             + (f", outage {r['outage_s']:g} s: {r['recovered_nodes']} nodes back, all after "
                f"{_fmt(r['all_back_after_s'], '.1f')} s, largest report {r['largest_report_bytes_in_outage']} B"
                if r.get("outage_s") else "")
-            + (f", error samples {r['error_samples']}" if r["errors"] else ""))
+            + (f", errors by kind {r.get('error_kinds')}, error samples {r['error_samples']}" if r["errors"] else ""))
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
