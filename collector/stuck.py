@@ -80,6 +80,7 @@ def stuck(run: RunState, incident: Incident, culprits: list[int], now: float, co
     window = max(WINDOW_FLOOR_S, timeout)
     stalled = now - incident.last_progress_at
     per_rank: dict[str, Any] = {}
+    heard: Optional[bool] = None  # whether any rank is heard: O(ranks), taken once and only when needed
     for rank in culprits:
         state = run.ranks.get(rank)
         if state is None:
@@ -88,7 +89,9 @@ def stuck(run: RunState, incident: Incident, culprits: list[int], now: float, co
             per_rank[str(rank)] = {"rule": "exited", "exit_code": state.exit_code}
             continue
         silent = state.silent_for(now)
-        if silent >= max(window, stale_after) and (state.vouched_at or _job_heard(run, now, stale_after)):
+        if silent >= max(window, stale_after) and not state.vouched_at and heard is None:
+            heard = _job_heard(run, now, stale_after)
+        if silent >= max(window, stale_after) and (state.vouched_at or heard):
             # Silent while its node's supervisor still vouched for it (or,
             # without one, while other ranks are heard): the rank's own
             # silence. When nothing of the job is heard, the collector lost
