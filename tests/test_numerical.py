@@ -166,9 +166,9 @@ def test_nan_only_in_one_ranks_gradients_is_not_blamed_on_its_batch(tmp_path):
 # -- a dead run (issue 26) ---------------------------------------------------------------------------
 
 
-def _dead_run_job(tmp_path, train_script, env=None):
+def _dead_run_job(tmp_path, train_script, env=None, steps=60):
     # A NaN in rank 1's batch at step 3: from then on every rank's loss is NaN (weights NaN after the average).
-    return run_job(tmp_path, ["--nproc-per-node", "2", str(train_script), "--steps", "60", "--step-time", "0.05",
+    return run_job(tmp_path, ["--nproc-per-node", "2", str(train_script), "--steps", str(steps), "--step-time", "0.05",
                               "--fault", "nan", "--fault-rank", "1", "--fault-step", "3"], env=env)
 
 
@@ -186,11 +186,13 @@ def test_a_dead_run_is_said_loudly_once_and_left_running_by_default(tmp_path, tr
 
 
 def test_a_dead_run_is_ended_with_on_dead_run_abort(tmp_path, train_script):
-    job = _dead_run_job(tmp_path, train_script, env={"RANKWATCH_ON_DEAD_RUN": "abort"})
+    # 600 steps of 0.05 s: 30 s if nothing ends it, so the end is told apart from a finished run even on a
+    # loaded machine (60 steps were 3 s, less than a busy CI's verdict and kill took once).
+    job = _dead_run_job(tmp_path, train_script, env={"RANKWATCH_ON_DEAD_RUN": "abort"}, steps=600)
     assert job.exit_code != 0, job.output[-3000:]
     assert "Ending the job (on_dead_run: abort)" in job.output
     assert "rankwatch ending the job: rankwatch ended the dead run" in job.output  # after torchrun's exitcode -15
     nonfinite = job.only("nonfinite")
     assert "dead_run" in nonfinite["evidence"] and len(job.verdicts()) == 1
     assert job.report["status"] == "faulty"
-    assert "step 50 loss" not in job.output  # ended: the 60 steps were not all run
+    assert "step 590 loss" not in job.output  # ended: the 600 steps were not all run
