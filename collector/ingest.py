@@ -12,7 +12,7 @@ can refuse it (a rank outside the world) is the caller's, before any change.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from rankwatch import wire
 
@@ -31,8 +31,10 @@ class Effect:
     urgent: bool = False
 
 
-def heartbeat(run: RunState, hb: wire.Heartbeat, now: float, changes: Changes) -> Effect:
-    """One rank's heartbeat into its run."""
+def heartbeat(run: RunState, hb: wire.Heartbeat, now: float, changes: Changes,
+              arrived_at: Optional[float] = None) -> Effect:
+    """One rank's heartbeat into its run (`arrived_at`: when its request
+    arrived, for the rank's clock offset; default `now`)."""
     ident = hb.identity
     state = run.rank(ident.rank)
     new_rank = state.last_heartbeat_at == 0.0
@@ -43,7 +45,7 @@ def heartbeat(run: RunState, hb: wire.Heartbeat, now: float, changes: Changes) -
         or hb.phase != state.phase
         or any(v > state.enqueued.get(pg, -1) for pg, v in hb.collectives_enqueued.items())
     )
-    stale = run.observe_heartbeat(state, hb, now, progressed)  # stall clock: the agents' progress times
+    stale = run.observe_heartbeat(state, hb, now, progressed, arrived_at)  # stall clock: the agents' progress times
     if ident.attempt > state.attempt:  # torchrun restarted the workers: a fresh rank
         state.exit_code, state.exited_at, state.killed_by_rankwatch = None, None, False
     state.local_rank, state.node_rank, state.host = ident.local_rank, ident.node_rank, ident.host

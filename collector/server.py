@@ -161,12 +161,15 @@ class Routes:
         return None
 
     # -- the endpoints ------------------------------------------------------------------
-    def handle(self, method: str, path: str, body: bytes, header: Callable[[str], Optional[str]]) -> Response:
+    def handle(self, method: str, path: str, body: bytes, header: Callable[[str], Optional[str]],
+               arrived_at: Optional[float] = None) -> Response:
+        """One request (`arrived_at`: wall clock when its first bytes came,
+        so that a heartbeat's transit leaves out the wait for ingest)."""
         try:
             if method == "GET":
                 return self._get(path)
             if method == "POST":
-                return self._post(path, body, header)
+                return self._post(path, body, header, arrived_at)
             return _json(405, {"error": f"method {method} not allowed"})
         except RequestError as exc:
             return _json(exc.status, {"error": str(exc)})
@@ -197,14 +200,15 @@ class Routes:
             return page
         return _json(404, {"error": f"no route {path}"})
 
-    def _post(self, path: str, body: bytes, header: Callable[[str], Optional[str]]) -> Response:
+    def _post(self, path: str, body: bytes, header: Callable[[str], Optional[str]],
+              arrived_at: Optional[float] = None) -> Response:
         collector = self.collector
         if path == "/v1/heartbeat":
             hb = codec.loads_heartbeat(body)
-            return _json(200, _reply_dict(collector.ingest_heartbeat(hb)))
+            return _json(200, _reply_dict(collector.ingest_heartbeat(hb, arrived_at=arrived_at)))
         if path == "/v1/node-report":
             report = codec.loads_node_report(body, limit=MAX_NODE_REPORT_BYTES)
-            return _json(200, _reply_dict(collector.ingest_node_report(report)))
+            return _json(200, _reply_dict(collector.ingest_node_report(report, arrived_at=arrived_at)))
         if path == "/v1/nodes":
             node = wire.loads(wire.NodeHeartbeat, body)
             return _json(200, wire.to_dict(collector.ingest_node(node)))
@@ -339,6 +343,7 @@ def _make_handler(routes: Routes, admission: Optional[Admission] = None):
                 self.close_connection = True
                 return
             self._reader.deadline = time.monotonic() + REQUEST_TIMEOUT
+            self.arrived_at = time.time()  # its first bytes are in (a heartbeat's transit ends here)
             try:
                 super().handle_one_request()
             except socket.timeout:
@@ -389,7 +394,7 @@ def _make_handler(routes: Routes, admission: Optional[Admission] = None):
                             self._send(_json(400, {"error": "truncated body"}))
                             self.close_connection = True
                             return
-                    result, cost = _timed(routes.handle, method, path, body, self.headers.get)
+                    result, cost = _timed(routes.handle, method, path, body, self.headers.get, self.arrived_at)
                 finally:
                     if ticket is not None:
                         admission.leave(ticket, cost)
@@ -496,7 +501,8 @@ class AsyncCollectorServer:
             """aiohttp's connection, plus the cap on connections and the
             deadline of a request that has begun to arrive."""
 
-            started: Optional[float] = None
+            started: Optional[float] = None  # loop clock: when the request's first bytes came (its deadline)
+            arrived_at: Optional[float] = None  # the same, wall clock (a heartbeat's transit ends there)
 
             def connection_made(self, transport) -> None:
                 super().connection_made(transport)
@@ -512,7 +518,7 @@ class AsyncCollectorServer:
 
             def data_received(self, data: bytes) -> None:
                 if self.started is None:
-                    self.started = loop.time()
+                    self.started, self.arrived_at = loop.time(), time.time()
                 super().data_received(data)
 
         class Server(web.Server):
@@ -540,6 +546,8 @@ class AsyncCollectorServer:
                     response = _aio_response(web, server.admission.shed_response())
                     if request.content.is_eof():
                         await request.read()  # already buffered: taken (not decoded), the connection kept
+                        if isinstance(protocol, Protocol):
+                            protocol.started = None  # so the next request on it gets its own deadline
                     else:
                         response.force_close()  # still arriving: not waited for
                     return response
@@ -566,12 +574,14 @@ class AsyncCollectorServer:
                     response = _aio_response(web, _json(408, {"error": "request body not received in time"}))
                     response.force_close()
                     return response
+            arrived_at = None
             if isinstance(protocol, Protocol):
+                arrived_at = protocol.arrived_at
                 protocol.started = None  # the request is in: the next one gets its own deadline
             headers = request.headers
             if ticket is not None:
                 result, cost = await loop.run_in_executor(server._ingest, _timed, server.routes.handle, method, path,
-                                                          body, headers.get)
+                                                          body, headers.get, arrived_at)
                 server.admission.leave(ticket, cost)
             else:  # bundles, finish, reports, status, metrics: off the loop
                 result = await loop.run_in_executor(None, server.routes.handle, method, path, body, headers.get)

@@ -259,7 +259,11 @@ class Collector:
                 self._finished_seen.pop(run_id, None)
 
     # -- ingest ------------------------------------------------------------------------
-    def ingest_heartbeat(self, hb: wire.Heartbeat, now: Optional[float] = None) -> wire.Reply:
+    def ingest_heartbeat(self, hb: wire.Heartbeat, now: Optional[float] = None,
+                         arrived_at: Optional[float] = None) -> wire.Reply:
+        """One rank's heartbeat (`arrived_at`: when its request arrived, for
+        the rank's clock offset: a wait in the collector's queue is not
+        transit)."""
         now = now or time.time()
         ident = hb.identity
         _expand_step_rows(hb)  # validated before any state changes
@@ -268,7 +272,7 @@ class Collector:
             run = self._run(ident.run_id, ident.world_size)
             if not 0 <= ident.rank < max(run.world_size, ident.rank + 1):
                 raise RequestError(f"rank {ident.rank} outside world size {run.world_size}")
-            effect = ingest.heartbeat(run, hb, now, self.changes)
+            effect = ingest.heartbeat(run, hb, now, self.changes, arrived_at)
             commands = self._runtime(run.run_id).agent_commands.pop(ident.rank, [])
             if effect.touched:
                 self._touch(run.run_id, urgent=effect.urgent)
@@ -296,7 +300,8 @@ class Collector:
             verdicts = [announcement(run.run_id, v) for v in rt.verdicts[-MAX_ANNOUNCED:]]
         return wire.Reply(commands=commands, verdicts=verdicts)
 
-    def ingest_node_report(self, report: wire.NodeReport, now: Optional[float] = None) -> wire.NodeReply:
+    def ingest_node_report(self, report: wire.NodeReport, now: Optional[float] = None,
+                           arrived_at: Optional[float] = None) -> wire.NodeReply:
         """One node's batch (from its relay): the supervisor's view and its
         ranks' heartbeats. A bad heartbeat is dropped alone (the others and
         the node's view still count)."""
@@ -315,7 +320,7 @@ class Collector:
             commands = node_reply.commands
             for hb in good:
                 try:
-                    reply = self.ingest_heartbeat(hb, now)
+                    reply = self.ingest_heartbeat(hb, now, arrived_at)
                 except RequestError as exc:
                     self.heartbeats_rejected = getattr(self, "heartbeats_rejected", 0) + 1
                     log.debug("node report: heartbeat of rank %s dropped: %s", hb.identity.rank, exc)

@@ -216,8 +216,12 @@ class RankState:
     # silent only if its node reported without a fresh beat of it.
     beat_at: float = 0.0
     vouched_at: float = 0.0
-    # collector clock - agent clock, lowest seen (network delay included, queueing not)
+    # collector clock - agent clock: the lowest (arrival - sent) seen, network
+    # delay and a relay's hold included, the collector's own queue not (taken
+    # to when the request arrived, not when ingest reached it)
     clock_offset: Optional[float] = None
+    sent_at: float = 0.0  # agent clock: when its latest beat was sent
+    beat_every: float = 0.0  # seconds between its beats, measured (0: not yet known)
     last_seq: int = 0  # newest heartbeat taken in (older ones arrive late, out of order)
     enqueued: dict[str, int] = field(default_factory=dict)
     completed: dict[str, int] = field(default_factory=dict)
@@ -389,22 +393,31 @@ class RunState:
     def all_evidence(self) -> list[RankEvidence]:
         return [ev for s in self.notable_ranks() for ev in list(s.evidence.values())]
 
-    def observe_heartbeat(self, state: RankState, hb: wire.Heartbeat, now: float, progressed: bool) -> bool:
+    def observe_heartbeat(self, state: RankState, hb: wire.Heartbeat, now: float, progressed: bool,
+                          arrived_at: Optional[float] = None) -> bool:
         """Run-level summaries the hang watch reads each tick, updated in O(1)
         per heartbeat (call before the rank's state takes the heartbeat in).
         Progress is dated by the agent, when it happened, then put on the
         collector's clock with the rank's offset: a late heartbeat carrying old
         progress no longer resets the stall clock. Returns True for a stale
         heartbeat (older than one already taken in: its sequence numbers and
-        phase must not overwrite the newer ones)."""
+        phase must not overwrite the newer ones). `arrived_at`: when the
+        request carrying it arrived (default `now`), so that time spent in
+        the collector's own queue does not read as transit."""
         stale = (bool(hb.seq) and hb.seq < state.last_seq and hb.identity.attempt <= state.attempt
                  and hb.identity.pid == state.pid)  # a new process counts from 1 again
         if stale:
             return True
+        sent = hb.sent_at or now
+        if state.sent_at and sent > state.sent_at:
+            # Agent clock, so exact: per beat when both carry a count (through a
+            # relay only every k-th beat arrives), else the gap itself.
+            beats = hb.seq - state.last_seq if hb.seq and state.last_seq and hb.seq > state.last_seq else 1
+            state.beat_every = (sent - state.sent_at) / beats
+        state.sent_at = max(state.sent_at, sent)
         if hb.seq:
             state.last_seq = hb.seq
-        sent = hb.sent_at or now
-        offset = now - sent
+        offset = (now if arrived_at is None else min(now, arrived_at)) - sent
         if state.clock_offset is None or offset < state.clock_offset:
             state.clock_offset = offset
         state.beat_at = max(state.beat_at, min(now, sent + state.clock_offset))

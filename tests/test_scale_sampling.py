@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
+
 from rankwatch import wire
 from rankwatch.collector import analyses
 from rankwatch.collector.analyses import collective_mismatch, grad_spike, hang
@@ -227,7 +229,7 @@ def _big_job(c: Collector, world: int, culprit: int, now: float) -> None:
                 beats.append(wire.Heartbeat(
                     identity=wire.RankIdentity(run_id="big", rank=r, local_rank=r % 8, world_size=world,
                                                node_rank=node, host=f"n{node}", pid=1000 + r),
-                    sent_at=sent, seq=1 if phase == "running" else 2, step=50, forwards=50,
+                    sent_at=sent, seq=1 if phase == "running" else 60, step=50, forwards=50,  # a beat a second
                     phase="backward" if ahead else "forward", last_progress_at=now - 45 if ahead else now - 60,
                     collectives_enqueued={"0": 150 + (1 if ahead else 0)}, collectives_completed={"0": 150}))
             c.ingest_node_report(wire.NodeReport(node=view, heartbeats=beats), now=sent)
@@ -256,6 +258,56 @@ def test_a_big_jobs_hang_asks_only_its_suspects_and_is_named_before_the_evidence
     listed = verdicts[0].evidence["ranks"]
     assert str(culprit) in listed and len(listed) < 400 and verdicts[0].evidence["ranks_total"] == world
     assert not run.aborted  # on_hang wait
+    c.stop()
+
+
+@pytest.mark.parametrize("arrived, taken_in", [(0.01, 1.0), (0.6, 0.6)], ids=["waited-in-the-collector", "slow-path"])
+def test_a_node_heard_late_is_not_named_from_a_beat_sent_before_its_ranks_entered_the_collective(arrived, taken_in):
+    """A rank's clock offset (collector clock - its own) is the lowest
+    transit its reports had. A node whose every report was slow (queued in
+    the collector for 1 s, or 0.6 s on the way) got an offset that much too
+    big, and its last beat, sent half a second before its ranks entered the
+    collective, read as sent after the job's last progress: its 8 ranks were
+    named "behind" with the culprit (seen at 100,000 ranks under load).
+    Transit is taken to when the request arrived, not when ingest reached
+    it, and a beat within one beat interval of the last progress is not
+    taken as the rank's state during the stall."""
+    c = Collector(Config(hang_timeout=20, on_hang="wait"))
+    world, culprit, late = 2048, 1234, 7
+    now = time.time()
+    entered = now - 45  # when every rank but the culprit entered collective #151
+
+    def report(node: int, sent: float, seq: int, ahead_of_culprit: bool) -> wire.NodeReport:
+        ranks = range(node * 8, node * 8 + 8)
+        workers = [wire.WorkerStatus(local_rank=r % 8, rank=r, pid=1000 + r) for r in ranks]
+        beats = []
+        for r in ranks:
+            ahead = ahead_of_culprit and r != culprit  # the culprit never enters
+            beats.append(wire.Heartbeat(
+                identity=wire.RankIdentity(run_id="big", rank=r, local_rank=r % 8, world_size=world, node_rank=node,
+                                           host=f"n{node}", pid=1000 + r),
+                sent_at=sent, seq=seq, step=50, forwards=50, phase="backward" if ahead else "forward",
+                last_progress_at=entered if ahead else now - 60,
+                collectives_enqueued={"0": 150 + ahead}, collectives_completed={"0": 150}))
+        view = wire.NodeHeartbeat(run_id="big", host=f"n{node}", node_rank=node, world_size=world, sent_at=sent,
+                                  workers=workers)
+        return wire.NodeReport(node=view, heartbeats=beats)
+
+    for node in range(world // 8):
+        delay = (arrived, taken_in) if node == late else (0.005, 0.01)
+        for sent, ahead in ((now - 60, False), (now - 1, True)):
+            if node == late and ahead:
+                sent, ahead = entered - 0.5, False  # its last report before it went unheard (shed)
+            seq = int(sent - (now - 70))  # a beat a second
+            c.ingest_node_report(report(node, sent, seq, ahead), now=sent + delay[1], arrived_at=sent + delay[0])
+        if node == 0:
+            c.runs["big"].last_progress_seen_at = now - 60
+    run = c.runs["big"]
+    c.tick(now)
+    incident = next(i for i in run.incidents if i.kind == "hang")
+    assert abs(incident.last_progress_at - entered) < 0.1
+    found = hang.diagnose(run, incident, now + 1.0, final=False)
+    assert found is not None and found.ranks == [culprit], found and found.summary
     c.stop()
 
 

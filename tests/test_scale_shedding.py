@@ -83,3 +83,86 @@ def test_a_collector_behind_answers_at_once_with_retry_after_and_takes_in_what_i
     finally:
         server.stop()
         collector.stop()
+
+
+@pytest.mark.parametrize("kind", ["aiohttp", "stdlib"])
+def test_a_reports_wait_for_ingest_is_not_taken_for_transit(tmp_path, kind):
+    """A rank's clock offset is the lowest (arrival - sent) of its reports.
+    Taken when ingest reached the report, a node whose reports all waited
+    behind a long tick got an offset that much too big, and the hang watch
+    read its beats as later than they were (a beat from before the stall as
+    one from during it)."""
+    collector = Collector(Config(hang_timeout=30.0), data_dir=tmp_path)
+    if kind == "aiohttp":
+        server = AsyncCollectorServer(collector, token=TOKEN, admission=AdmissionConfig(latency_budget_s=5.0)).start()
+    else:
+        server = CollectorServer(collector, token=TOKEN, admission=AdmissionConfig(latency_budget_s=5.0)).start()
+    port = int(server.url.rsplit(":", 1)[1])
+    try:
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            collector._lock.acquire()  # a long tick
+            try:
+                first = pool.submit(_post, port, _report(0), 10.0)  # in ingest, waiting for the lock
+                deadline = time.monotonic() + 5.0
+                while server.admission.inflight < 1 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                sent = time.time()
+                queued = pool.submit(_post, port, _report(1), 10.0)  # behind it, in the ingest queue
+                while server.admission.inflight < 2 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                held_until = time.time() + 1.0
+                while time.time() < held_until:  # both wait a second more
+                    time.sleep(0.05)
+            finally:
+                collector._lock.release()
+            answers = [first.result(), queued.result()]
+        assert [a[0] for a in answers] == [200, 200], answers
+        ranks = collector.runs["busy"].ranks
+        waited = held_until - sent
+        offsets = [ranks[r].clock_offset for r in range(8, 16)]
+        assert all(o is not None and o < waited - 0.5 for o in offsets), (offsets, waited)
+    finally:
+        server.stop()
+        collector.stop()
+
+
+def test_a_connection_kept_after_a_shed_report_is_not_cut_off_while_idle(tmp_path):
+    """A shed report whose body was already in keeps its connection; the
+    request's deadline ends with it, so the sweeper does not cut the idle
+    connection off a request timeout later (the relay's next report on it
+    would fail as a broken connection)."""
+    collector = Collector(Config(hang_timeout=30.0), data_dir=tmp_path)
+    server = AsyncCollectorServer(collector, token=TOKEN, request_timeout=1.0,
+                                  admission=AdmissionConfig(latency_budget_s=0.2)).start()
+    port = int(server.url.rsplit(":", 1)[1])
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10.0)
+    headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            collector._lock.acquire()  # behind: the first report is admitted and waits, the next is shed
+            try:
+                admitted = pool.submit(_post, port, _report(1), 10.0)
+                deadline = time.monotonic() + 5.0
+                while server.admission.inflight < 1 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                time.sleep(0.3)  # older than the latency budget
+                conn.request("POST", "/v1/node-report", body=_report(2), headers=headers)
+                shed = conn.getresponse()
+                shed.read()
+                assert shed.status == 503
+                assert shed.getheader("Connection", "").lower() != "close"
+            finally:
+                collector._lock.release()
+            assert admitted.result()[0] == 200
+        cut_before = server.cut_off
+        deadline = time.monotonic() + 2.5  # idle past the request timeout and a sweep or two
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+        conn.request("POST", "/v1/node-report", body=_report(3), headers=headers)
+        again = conn.getresponse()
+        again.read()
+        assert again.status == 200 and server.cut_off == cut_before
+    finally:
+        conn.close()
+        server.stop()
+        collector.stop()

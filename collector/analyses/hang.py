@@ -254,12 +254,28 @@ def _diagnose(run: RunState, incident: Incident, evidence: dict[int, RankEvidenc
                    summary, details)
 
 
+ASSUMED_BEAT_S = 1.0  # a rank's beat interval before two of its beats measured it (the agents' default)
+
+
 def _fresh(run: RunState, incident: Incident, evidence: dict[int, RankEvidence], live: list[int]) -> list[int]:
     """Big jobs: not every rank was asked for evidence, so the others' numbers
     come from their heartbeats, and only one sent after the stall began says
-    where the rank waits (through relays at scale, up to an interval late)."""
-    return [r for r in live if r in evidence and evidence[r].pg_enqueued
-            or (run.ranks[r].beat_at or run.ranks[r].last_heartbeat_at) >= incident.last_progress_at]
+    where the rank waits (through relays at scale, up to an interval late).
+
+    "After" with a margin of the rank's own beat interval: a beat's time on
+    the collector's clock carries the rank's clock offset, the lowest transit
+    its reports had, and through a relay that includes how long the newest
+    beat had waited there (up to one beat interval). A beat sent just before
+    the rank entered the collective could otherwise read as sent after the
+    job's last progress, and its rank as behind."""
+    since = incident.last_progress_at
+    fresh = []
+    for r in live:
+        state = run.ranks[r]
+        if ((r in evidence and evidence[r].pg_enqueued)
+                or (state.beat_at or state.last_heartbeat_at) >= since + (state.beat_every or ASSUMED_BEAT_S)):
+            fresh.append(r)
+    return fresh
 
 
 def conclusive(run: RunState, incident: Incident, stale_after: float) -> bool:

@@ -408,7 +408,10 @@ class _RelayRoutes:
                  cookie: Optional[str] = None):
         return self._auth.precheck(method, path, authorization, length)  # no pages here: a cookie opens nothing
 
-    def handle(self, method: str, path: str, body: bytes, header: Callable[[str], Optional[str]]):
+    def handle(self, method: str, path: str, body: bytes, header: Callable[[str], Optional[str]],
+               arrived_at: Optional[float] = None):
+        # `arrived_at` is the collector's business (its clock offsets): the
+        # relay forwards each beat as its agent sent it.
         from rankwatch.collector.server import _json
 
         try:
