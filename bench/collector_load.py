@@ -177,9 +177,11 @@ class Job:
                            "world_size": self.ranks, "node_rank": node, "host": f"node-{node:05d}",
                            "pid": 10_000 + rank % 50_000, "attempt": 0}, separators=(",", ":")).encode()
 
-    def time_of(self, step: int) -> float:
-        """When ``step`` ended (every rank alike)."""
-        return self.started + (step - self.first_step + 1) * self.step_time
+    def progress_at(self, step: int) -> float:
+        """When a rank that has completed ``step`` steps last progressed: the
+        end of its last step, so never after a beat sent while it runs the
+        next (every rank alike)."""
+        return self.started + (step - self.first_step) * self.step_time
 
     def step_at(self, now: float) -> int:
         if self.frozen_step is not None:
@@ -189,7 +191,7 @@ class Job:
     def freeze(self) -> None:
         now = time.time()
         self.frozen_step = self.step_at(now)
-        self.frozen_at = self.started + (self.frozen_step - self.first_step) * self.step_time
+        self.frozen_at = self.progress_at(self.frozen_step)
 
     def rows(self, first: int, last: int, stride: int = 1) -> str:
         """Step records first..last-1 (every rank alike: own time, loss, grad norm, RSS); with a
@@ -285,14 +287,14 @@ class Recorded:
             # collectives' numbers at a later step: a mismatch the job never had.
             beat = self._shifted(local, step, job, False)
             facts = json.loads(json.dumps(self.startup[local].get("events") or []))
-            dt = job.time_of(step) - self.startup[local]["last_progress_at"]
+            dt = job.progress_at(step) - self.startup[local]["last_progress_at"]
             for event in facts:
                 event["step"], event["at"] = step, event["at"] + dt
             return {**beat, "events": facts + list(beat.get("events") or [])}
         k = step % len(self.steady)
         beat = json.loads(json.dumps(self.steady[k][local]))
         offset = step - beat["step"]
-        dt = job.time_of(step) - beat["last_progress_at"]
+        dt = job.progress_at(step) - beat["last_progress_at"]
         beat.pop("identity", None)
         beat.pop("version", None)
         beat["step"] += offset
