@@ -166,7 +166,7 @@ class Job:
         self.started = time.time()
         self.first_step = first_step
         self.culprit = culprit
-        self.frozen_at: Optional[float] = None  # wall time of the last progress
+        self.frozen_at: Optional[float] = None  # wall time of the last progress (the freeze)
         self.frozen_step: Optional[int] = None
         self._tails: dict[tuple, bytes] = {}
         self.identity = [self._identity(r) for r in range(ranks)]
@@ -189,9 +189,14 @@ class Job:
         return self.first_step + int((now - self.started) / self.step_time)
 
     def freeze(self) -> None:
+        # Now every rank but the culprit enters the next collective (its phase
+        # changes): that is the job's last progress, after every beat it sent
+        # before, as a live agent dates it. Dated at the step's start instead,
+        # beats the ranks sent during that step, before they entered, read as
+        # their state during the stall.
         now = time.time()
         self.frozen_step = self.step_at(now)
-        self.frozen_at = self.progress_at(self.frozen_step)
+        self.frozen_at = now
 
     def rows(self, first: int, last: int, stride: int = 1) -> str:
         """Step records first..last-1 (every rank alike: own time, loss, grad norm, RSS); with a
