@@ -85,10 +85,14 @@ def heartbeat(run: RunState, hb: wire.Heartbeat, now: float, changes: Changes,
 
 
 def node(run: RunState, view: wire.NodeHeartbeat, key: str, now: float, killed_by_rankwatch: bool,
-         changes: Changes) -> Effect:
+         changes: Changes, arrived_at: Optional[float] = None) -> Effect:
     """A node's supervisor view (its launcher's settings, its workers alive or
     exited) into the run. ``killed_by_rankwatch``: an exit seen now follows an
-    abort the collector sent."""
+    abort the collector sent. ``arrived_at``: when its request arrived; the
+    node vouches for its live ranks as of then, the time their beats in the
+    same report are measured against (a wait in the collector's queue is
+    neither the ranks' silence nor transit)."""
+    vouched = now if arrived_at is None else min(now, arrived_at)
     run.nodes[key] = view
     if view.hang_timeout is not None:
         run.hang_timeout = view.hang_timeout
@@ -97,7 +101,7 @@ def node(run: RunState, view: wire.NodeHeartbeat, key: str, now: float, killed_b
         state = run.rank(worker.rank)
         state.local_rank, state.node_rank = worker.local_rank, view.node_rank
         if worker.alive:
-            state.vouched_at = now
+            state.vouched_at = max(state.vouched_at, vouched)
         if not state.host:
             state.host = view.host
         if state.pid == 0:

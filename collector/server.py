@@ -211,7 +211,7 @@ class Routes:
             return _json(200, _reply_dict(collector.ingest_node_report(report, arrived_at=arrived_at)))
         if path == "/v1/nodes":
             node = wire.loads(wire.NodeHeartbeat, body)
-            return _json(200, wire.to_dict(collector.ingest_node(node)))
+            return _json(200, wire.to_dict(collector.ingest_node(node, arrived_at=arrived_at)))
         if path == "/v1/bundles":
             run_hint = header("X-Rankwatch-Run") or ""
             rank_hint = header("X-Rankwatch-Rank") or ""

@@ -280,7 +280,8 @@ class Collector:
             self.metrics.observe_heartbeat(hb, now)
         return wire.Reply(commands=commands)
 
-    def ingest_node(self, node: wire.NodeHeartbeat, now: Optional[float] = None) -> wire.Reply:
+    def ingest_node(self, node: wire.NodeHeartbeat, now: Optional[float] = None,
+                    arrived_at: Optional[float] = None) -> wire.Reply:
         now = now or time.time()
         with self._lock:
             self._evict_finished(now)  # in memory only: the index already has them
@@ -291,7 +292,7 @@ class Collector:
             run = self._run(node.run_id, node.world_size)
             key = f"{node.host}#{node.launcher_pid or node.node_rank}"
             rt = self._runtime(run.run_id)
-            effect = ingest.node(run, node, key, now, rt.abort_sent, self.changes)
+            effect = ingest.node(run, node, key, now, rt.abort_sent, self.changes, arrived_at)
             commands = rt.node_commands.pop(key, [])
             if effect.touched:
                 self._touch(run.run_id)
@@ -316,7 +317,7 @@ class Collector:
                 log.debug("node report: heartbeat dropped: %s", exc)
         ranks: dict[str, list[wire.Command]] = {}
         with self._lock:
-            node_reply = self.ingest_node(report.node, now) if report.node is not None else wire.Reply()
+            node_reply = self.ingest_node(report.node, now, arrived_at) if report.node is not None else wire.Reply()
             commands = node_reply.commands
             for hb in good:
                 try:

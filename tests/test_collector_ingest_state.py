@@ -181,3 +181,26 @@ def test_a_read_only_store_starts_no_writer(tmp_path):
     store = Store(tmp_path / "i.sqlite", readonly=True, changes=Changes())
     assert store._thread is None
     store.close()
+
+
+def test_a_report_that_waited_in_the_collectors_queue_neither_silences_its_ranks_nor_moves_their_clock():
+    """A relay's report arrives, then waits 2.5 s for ingest behind a busy
+    collector. Its ranks' beats (0.9 s old when the relay sent them) are
+    measured against when it arrived: the node vouches for them as of then,
+    and their clock offset holds transit only. Measured against when ingest
+    reached it, the wait read as 2.5 s of silence (the hang watch asks a
+    rank silent 3 heartbeat intervals about from outside) and as transit."""
+    collector = Collector(Config(hang_timeout=30.0))
+    sent = time.time()
+    workers = [wire.WorkerStatus(local_rank=r, rank=r, pid=100 + r) for r in range(2)]
+    view = wire.NodeHeartbeat(run_id="q", host="n0", node_rank=0, world_size=2, sent_at=sent, workers=workers)
+    beats = [wire.Heartbeat(identity=wire.RankIdentity(run_id="q", rank=r, local_rank=r, world_size=2, host="n0",
+                                                       pid=100 + r),
+                            sent_at=sent - 0.9, seq=5, step=3, phase="forward", last_progress_at=sent - 0.9)
+             for r in range(2)]
+    collector.ingest_node_report(wire.NodeReport(node=view, heartbeats=beats), now=sent + 2.5, arrived_at=sent + 0.01)
+    for state in collector.runs["q"].ranks.values():
+        assert state.silent_for(sent + 2.5) < 0.1
+        assert abs(state.clock_offset - 0.91) < 1e-6  # relay hold and network, not the queue
+        assert state.beat_at <= sent + 0.01 + 1e-6
+    collector.stop()
