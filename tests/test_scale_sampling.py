@@ -261,6 +261,44 @@ def test_a_big_jobs_hang_asks_only_its_suspects_and_is_named_before_the_evidence
     c.stop()
 
 
+WORLD, CULPRIT = 2048, 1234
+
+
+def _stalled_big_job(c: Collector, now: float, late: int, delay: tuple[float, float]):
+    """WORLD ranks in nodes of 8 through relays, a beat a second: all at step
+    50 a minute ago; 45 s ago every rank but CULPRIT entered collective #151,
+    and their beats of a second ago say so; node `late` was last heard half
+    a second before that, its reports `delay` (arrival, ingest) after sent."""
+    entered = now - 45
+
+    def report(node: int, sent: float, seq: int, ahead_of_culprit: bool) -> wire.NodeReport:
+        ranks = range(node * 8, node * 8 + 8)
+        workers = [wire.WorkerStatus(local_rank=r % 8, rank=r, pid=1000 + r) for r in ranks]
+        beats = []
+        for r in ranks:
+            ahead = ahead_of_culprit and r != CULPRIT  # the culprit never enters
+            beats.append(wire.Heartbeat(
+                identity=wire.RankIdentity(run_id="big", rank=r, local_rank=r % 8, world_size=WORLD, node_rank=node,
+                                           host=f"n{node}", pid=1000 + r),
+                sent_at=sent, seq=seq, step=50, forwards=50, phase="backward" if ahead else "forward",
+                last_progress_at=entered if ahead else now - 60,
+                collectives_enqueued={"0": 150 + ahead}, collectives_completed={"0": 150}))
+        view = wire.NodeHeartbeat(run_id="big", host=f"n{node}", node_rank=node, world_size=WORLD, sent_at=sent,
+                                  workers=workers)
+        return wire.NodeReport(node=view, heartbeats=beats)
+
+    for node in range(WORLD // 8):
+        took = delay if node == late else (0.005, 0.01)
+        for sent, ahead in ((now - 60, False), (now - 1, True)):
+            if node == late and ahead:
+                sent, ahead = entered - 0.5, False  # its last report before it went unheard (shed)
+            seq = int(sent - (now - 70))  # a beat a second
+            c.ingest_node_report(report(node, sent, seq, ahead), now=sent + took[1], arrived_at=sent + took[0])
+        if node == 0:
+            c.runs["big"].last_progress_seen_at = now - 60
+    return c.runs["big"]
+
+
 @pytest.mark.parametrize("arrived, taken_in", [(0.01, 1.0), (0.6, 0.6)], ids=["waited-in-the-collector", "slow-path"])
 def test_a_node_heard_late_is_not_named_from_a_beat_sent_before_its_ranks_entered_the_collective(arrived, taken_in):
     """A rank's clock offset (collector clock - its own) is the lowest
@@ -273,41 +311,33 @@ def test_a_node_heard_late_is_not_named_from_a_beat_sent_before_its_ranks_entere
     it, and a beat within one beat interval of the last progress is not
     taken as the rank's state during the stall."""
     c = Collector(Config(hang_timeout=20, on_hang="wait"))
-    world, culprit, late = 2048, 1234, 7
     now = time.time()
-    entered = now - 45  # when every rank but the culprit entered collective #151
-
-    def report(node: int, sent: float, seq: int, ahead_of_culprit: bool) -> wire.NodeReport:
-        ranks = range(node * 8, node * 8 + 8)
-        workers = [wire.WorkerStatus(local_rank=r % 8, rank=r, pid=1000 + r) for r in ranks]
-        beats = []
-        for r in ranks:
-            ahead = ahead_of_culprit and r != culprit  # the culprit never enters
-            beats.append(wire.Heartbeat(
-                identity=wire.RankIdentity(run_id="big", rank=r, local_rank=r % 8, world_size=world, node_rank=node,
-                                           host=f"n{node}", pid=1000 + r),
-                sent_at=sent, seq=seq, step=50, forwards=50, phase="backward" if ahead else "forward",
-                last_progress_at=entered if ahead else now - 60,
-                collectives_enqueued={"0": 150 + ahead}, collectives_completed={"0": 150}))
-        view = wire.NodeHeartbeat(run_id="big", host=f"n{node}", node_rank=node, world_size=world, sent_at=sent,
-                                  workers=workers)
-        return wire.NodeReport(node=view, heartbeats=beats)
-
-    for node in range(world // 8):
-        delay = (arrived, taken_in) if node == late else (0.005, 0.01)
-        for sent, ahead in ((now - 60, False), (now - 1, True)):
-            if node == late and ahead:
-                sent, ahead = entered - 0.5, False  # its last report before it went unheard (shed)
-            seq = int(sent - (now - 70))  # a beat a second
-            c.ingest_node_report(report(node, sent, seq, ahead), now=sent + delay[1], arrived_at=sent + delay[0])
-        if node == 0:
-            c.runs["big"].last_progress_seen_at = now - 60
-    run = c.runs["big"]
+    run = _stalled_big_job(c, now, late=7, delay=(arrived, taken_in))
     c.tick(now)
     incident = next(i for i in run.incidents if i.kind == "hang")
-    assert abs(incident.last_progress_at - entered) < 0.1
+    assert abs(incident.last_progress_at - (now - 45)) < 0.1
     found = hang.diagnose(run, incident, now + 1.0, final=False)
-    assert found is not None and found.ranks == [culprit], found and found.summary
+    assert found is not None and found.ranks == [CULPRIT], found and found.summary
+    c.stop()
+
+
+def test_a_big_job_whose_culprits_node_is_not_heard_since_the_stall_waits_then_names_that_node_not_everyone():
+    """Every rank heard since the stall began has entered the collective; the
+    culprit's node was last heard before (its relay shed, backing off). The
+    numbers then name nobody, and "no rank stands out" named all 2,048 ranks
+    (seen at 100,000 ranks). Now the diagnosis waits for fresher numbers, and
+    once waiting is over names the ranks not heard since whose last numbers
+    were behind, saying that they were not heard since."""
+    c = Collector(Config(hang_timeout=20, on_hang="wait"))
+    now = time.time()
+    run = _stalled_big_job(c, now, late=CULPRIT // 8, delay=(0.005, 0.01))
+    c.tick(now)
+    incident = next(i for i in run.incidents if i.kind == "hang")
+    assert hang.diagnose(run, incident, now + 1.0, final=False) is None  # not yet: fresher numbers may come
+    found = hang.diagnose(run, incident, incident.opened_at + hang.STALE_WAIT_S + 0.1, final=False)
+    node = list(range(CULPRIT // 8 * 8, CULPRIT // 8 * 8 + 8))
+    assert found is not None and found.ranks == node, found and found.summary
+    assert found.evidence["not_heard_since_stall"] and "not heard from since the stall began" in found.summary
     c.stop()
 
 

@@ -165,6 +165,13 @@ def _diagnose(run: RunState, incident: Incident, evidence: dict[int, RankEvidenc
             if len(fresh) < FRESH_SHARE * len(live) and not waited:
                 return None  # not yet: the next pass has fresher numbers
             culprits, reason = _behind_in_collectives(seqs, fresh, details, minority=True)
+            if not culprits and len(fresh) < len(live):
+                # Every rank heard since the stall began is at the front: the
+                # one holding them up is among those not heard since. Saying
+                # "no rank stands out" would name every rank.
+                if not waited:
+                    return None
+                culprits, reason = _behind_unheard(seqs, fresh, live, details)
         else:
             culprits, reason = _behind_in_collectives(seqs, live, details)
     if not culprits:
@@ -337,6 +344,37 @@ def _behind_in_collectives(seqs: dict[int, Optional[dict[str, int]]], live: list
     details["waiting_at"] = waiting_at
     pg, seq = next(iter(waiting_at.items()))
     return sorted(behind), f"never reached collective #{seq} of process group {pg}"
+
+
+def _behind_unheard(seqs: dict[int, Optional[dict[str, int]]], fresh: list[int], live: list[int],
+                    details: dict[str, Any]) -> tuple[list[int], str]:
+    """Big jobs, once waiting for fresher numbers is over: the ranks not heard
+    since the stall began whose last numbers were behind the collective every
+    rank heard since has reached (when they are a minority). Their last beat
+    predates the stall, so the reason says so: some may have entered since."""
+    top: dict[str, int] = {}
+    for r in fresh:
+        for pg, seq in (seqs.get(r) or {}).items():
+            if seq > top.get(pg, -1):
+                top[pg] = seq
+    heard = set(fresh)
+    behind, waiting_at = [], {}
+    for r in live:
+        last = seqs.get(r)
+        if r in heard or not last:
+            continue
+        lagging = [pg for pg, seq in last.items() if pg in top and seq < top[pg]]
+        if lagging:
+            behind.append(r)
+            waiting_at.setdefault(lagging[0], top[lagging[0]])
+    if not behind or 2 * len(behind) >= len(live):
+        return [], ""
+    details["waiting_at"] = waiting_at
+    details["not_heard_since_stall"] = True
+    pg, seq = next(iter(waiting_at.items()))
+    return sorted(behind), (f"{verb(behind, 'was', 'were')} not heard from since the stall began, and "
+                            f"{verb(behind, 'its', 'their')} last numbers had not reached collective #{seq} of "
+                            f"process group {pg}, which every rank heard from since has reached")
 
 
 def _in_flight(run: RunState, rank: int, ev: Optional[RankEvidence]) -> bool:
