@@ -445,9 +445,14 @@ class Collector:
             settle(run)
         except Exception:
             self._failed_once(run, rt, "analysis")
-        # ... then each analysis reads its summary: cheap, under the lock.
+        # ... then each analysis reads its summary: cheap, under the lock (what
+        # arrived meanwhile waits for the next pass, not the reports behind it).
         with self._lock:
-            self._analyse(run, now, final=False)
+            run.settle_deferred = True
+            try:
+                self._analyse(run, now, final=False)
+            finally:
+                run.settle_deferred = False
 
     def _failed_once(self, run: RunState, rt: _RunRuntime, what: str) -> None:
         if what not in rt.failed:

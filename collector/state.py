@@ -374,6 +374,11 @@ class RunState:
     # Held while the analyses' summaries are brought up to date (analyses/common.settle),
     # which runs outside the collector's ingest lock.
     analysis_lock: Any = field(default_factory=threading.RLock, repr=False, compare=False)
+    # True while the live collector's analyses read their summaries under its
+    # ingest lock, right after it settled them outside the lock: their own
+    # settle calls then leave what arrived since for its next pass (settling
+    # there sealed 100,000-rank steps with every report waiting: up to 6.6 s).
+    settle_deferred: bool = field(default=False, repr=False, compare=False)
 
     def rank(self, rank: int) -> RankState:
         state = self.ranks.get(rank)

@@ -322,7 +322,11 @@ def settle(run, final: bool = False) -> None:
     """Bring every tracker up to date with what arrived (cheap when nothing did).
 
     Live, the collector calls it from its analysis thread; the analyses call it
-    too (idempotent), so offline callers need nothing else."""
+    too (idempotent), so offline callers need nothing else. While the live
+    collector has deferred it (`RunState.settle_deferred`), only a final
+    settle does anything."""
+    if getattr(run, "settle_deferred", False) and not final:
+        return
     with run.analysis_lock:
         _settle(run, final)
 
