@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from rankwatch.cadence import node_report_interval
+
 INGEST_PATHS = ("/v1/heartbeat", "/v1/node-report", "/v1/nodes")
 
 
@@ -95,8 +97,6 @@ class Admission:
 def collector_cadence(collector: Any) -> Callable[[], Optional[float]]:
     """The relays' cadence for everything the collector watches (its rule for
     the ranks of all its runs), recomputed at most once a second."""
-    from .service import node_report_interval
-
     cached = {"at": -1.0, "value": None}
 
     def cadence() -> Optional[float]:

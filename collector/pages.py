@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from rankwatch import wire
+from rankwatch.cadence import node_report_interval
 
 log = logging.getLogger("rankwatch.collector")
 
@@ -299,8 +300,6 @@ class Pages:
         finished = bool(run.finished) if run is not None else True
         interval = collector.config.heartbeat_interval
         if run is not None:
-            from rankwatch.collector.service import node_report_interval
-
             interval = max(interval, node_report_interval(run.world_size) or 0.0)
         run_dir = None
         try:

@@ -21,7 +21,7 @@ from rankwatch.bundles import Bundle, BundleError, repack, unpack
 from rankwatch.redact import redact_obj
 from rankwatch import config as config_mod
 from rankwatch.config import Config
-from rankwatch.node.relay import backoff_cap
+from rankwatch.cadence import backoff_cap, node_report_interval
 from rankwatch.outputs import report as report_output
 
 from . import analyses, ingest, report as report_mod, stuck
@@ -515,7 +515,7 @@ class Collector:
         coming: the collector's resumption after it did not run, or the
         opening of a hang incident whose stall ended on progress made before
         it opened (the relays could not reach the collector). Bounded by the
-        relays' longest pause between tries (`relay.backoff_cap`) and one
+        relays' longest pause between tries (`cadence.backoff_cap`) and one
         cadence more: a rank not heard from by then is judged on what is known."""
         bound = backoff_cap(cadence) + cadence
         if now < self._resumed_at + bound:
@@ -879,19 +879,6 @@ def announcement(run_id: str, v: wire.Verdict) -> str:
         return (f"run {run_id}: hang on {ranks_text(v.ranks)} at step {v.step}{at}, no progress for "
                 f"{v.evidence.get('hang_timeout_s') or 0:.0f} s (details in the report)")[:256]
     return f"run {run_id}: {v.kind} on {ranks_text(v.ranks)} at step {v.step} (details in the report)"[:256]
-
-
-def node_report_interval(world_size: int, hang_timeout: float = 20.0) -> Optional[float]:
-    """The node relays' cadence the collector asks for: every second up to
-    2,000 ranks, 2 s up to 10,000, 5 s up to 50,000, 10 s beyond (about
-    1,250 requests a second at 100,000 ranks), and never more than half the
-    hang timeout. Progress is dated by the agents (RunState.observe_heartbeat),
-    so the cadence delays what the collector sees, not when it calls a hang;
-    the bound keeps a live rank's latest progress inside the timeout."""
-    if world_size <= 2_000:
-        return None
-    wanted = 2.0 if world_size <= 10_000 else 5.0 if world_size <= 50_000 else 10.0
-    return max(1.0, min(wanted, hang_timeout / 2))
 
 
 STEP_RECORDS_PER_SECOND = 20_000  # what one collector takes in comfortably, with everything else

@@ -162,3 +162,18 @@ def test_the_agents_own_backoff_is_jittered_and_takes_retry_after(monkeypatch):
     assert all(0.5 <= d <= 1.01 for d in delays) and len({round(d, 4) for d in delays}) > 1
     transport._failed("busy", retry_after=20.0)
     assert transport._next_try - time.monotonic() >= 19.9
+
+
+def test_the_relay_keeps_the_cadence_rules_without_loading_the_collector():
+    """The relay runs beside the training on every node: its cadence and
+    backoff rules come from `rankwatch.cadence`, shared with the collector,
+    not from the collector's service module (numpy and the analyses)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from rankwatch.node.relay import initial_interval, Relay; "
+            "assert initial_interval(1.0, 100_000, 30.0) == 10.0; "
+            "print(sorted(m for m in sys.modules if m.startswith('rankwatch.collector') or m == 'numpy'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd="/")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

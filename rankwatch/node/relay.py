@@ -22,7 +22,7 @@ step (issue 29): the first cadence is the collector's rule for the job's
 world size (the launcher knows it), not 1 s; the first report leaves at a
 random offset within that interval; a failure, a timeout or a busy answer
 (429/503, whose `Retry-After` is a floor) backs off exponentially with
-jitter up to a few cadences (`backoff_cap`: 6 cadences, at most
+jitter up to a few cadences (`rankwatch.cadence.backoff_cap`: 6 cadences, at most
 MAX_BACKOFF_S), reset by a success; and the report kept for the
 collector is bounded by bytes (MAX_PENDING_BYTES): past it the oldest
 records, marks, events and fingerprints of every rank are dropped, the
@@ -43,6 +43,7 @@ import time
 from typing import Any, Callable, Optional
 
 from rankwatch import wire
+from rankwatch.cadence import backoff_cap, node_report_interval
 
 log = logging.getLogger("rankwatch.node.relay")
 
@@ -53,16 +54,6 @@ URGENT_EVENTS = ("exception", "exit", "nonfinite", "oom")
 NORM_HISTORY = 16  # a rank's recent gradient norms, to tell an unusual one at a sampled cadence
 NORM_JUMP = 3.0  # a norm this many times the rank's recent median is forwarded whatever its step
 MAX_PENDING_BYTES = 2 * 1024 * 1024  # a node's kept report: 1/8 of the collector's node-report limit
-MAX_BACKOFF_S = 60.0  # the longest pause between tries (jittered): a 100k-rank job's 12,500 relays
-# return from an outage spread over up to a minute, not in one burst
-BACKOFF_CADENCES = 6  # ... and at most this many of the job's cadences: the cadence grows with the job
-# (1 s to 2,000 ranks, 10 s at 100,000), so a 10,000-rank job's 1,250 relays return within ~12 s
-# (~100 reports/s, a fifth of what one collector takes), not a minute of ranks unheard from
-
-
-def backoff_cap(interval: float) -> float:
-    """The longest pause after failures for a relay at this cadence."""
-    return max(interval, min(MAX_BACKOFF_S, BACKOFF_CADENCES * interval))
 _TRIMMED_LISTS = ("step_rows", "steps", "marks", "events", "fingerprints")
 
 
@@ -152,8 +143,6 @@ def initial_interval(base: float, world_size: int, hang_timeout: Optional[float]
     """The cadence before the collector's first answer: the collector's own
     rule for this world size (`node_report_interval`), so a cold start of a
     big job is not a burst at the 1-s heartbeat cadence."""
-    from rankwatch.collector.service import node_report_interval
-
     wanted = node_report_interval(world_size, hang_timeout or 20.0) if world_size > 0 else None
     return max(base, wanted or 0.0)
 
