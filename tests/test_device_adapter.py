@@ -14,6 +14,7 @@ import json
 import math
 import os
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -506,3 +507,33 @@ def test_deferred_values_flatten_in_a_few_launches_to_the_same_floats():
     with Count():
         device_mod._flat_float32(scalars)
     assert Count.calls <= 4, Count.calls  # was 3 a value
+
+
+def test_memory_stats_read_the_allocators_nested_dict_without_flattening_it():
+    """The accelerator adapter reads torch.cuda's nested statistics (the
+    shape torch/csrc/cuda/Module.cpp builds: stat -> pool -> kind) as the
+    flat ``memory_stats`` would name them, and never calls the flat one
+    (its Python walk was 0.45 ms a step on an H100)."""
+    def pools(current, peak):
+        kinds = {"current": current, "peak": peak, "allocated": peak, "freed": peak - current}
+        return {"all": dict(kinds), "large_pool": dict(kinds), "small_pool": {k: 0 for k in kinds}}
+
+    nested = {"allocated_bytes": pools(3 << 20, 7 << 20), "reserved_bytes": pools(8 << 20, 8 << 20),
+              "active": pools(4, 9), "num_ooms": 0}
+    module = types.SimpleNamespace(asked=[])
+
+    def as_nested(device):
+        module.asked.append(device)
+        return nested
+
+    def flat(device):
+        raise AssertionError("the flat statistics were built")
+
+    module.memory_stats_as_nested_dict, module.memory_stats = as_nested, flat
+    adapter = device_mod.AcceleratorDevice("cpu")
+    adapter.module = module
+    on = torch.device("cuda", 1)
+    assert adapter.memory_stats(on) == (3 << 20, 8 << 20, 7 << 20)
+    assert module.asked == [on]
+    nested.clear()  # the allocator has not started: torch gives {}
+    assert adapter.memory_stats(on) == (0, 0, 0)
