@@ -33,6 +33,17 @@ size 1 (``--nproc 1 --dtypes bfloat16 --plain healthy --timeout 90``):
   step, watched vs plain: DDP float32 4.04 vs 2.13 ms, bfloat16 5.14 vs
   1.88; FSDP2 float32 10.61 vs 6.21, bfloat16 9.05 vs 6.24 (the same fixed
   host cost per step as above).
+- 2026-11-28, one H100 80GB (torch 2.11.0+cu130, ``--dtypes bfloat16``):
+  16/16 as expected (DDP and FSDP2: hang named at 31.2-31.4 s with the
+  30-s timeout, crash 1.3-2.4 s, nan 0.5-1.3 s, leak 1.0-1.1 s, oom
+  0.1-0.3 s; healthy and oom_caught without a verdict, no sync added, one
+  process on the GPU). Median device time per step, watched vs plain: DDP
+  5.52 vs 2.03 ms, FSDP2 10.71 vs 7.66. A cProfile of the watched DDP step
+  put 0.45 ms a step in torch's flattening of the allocator's statistics
+  (read as the nested dict since); host time per step of that job, plain
+  vs watched, after the change (on an H200, the machine the next call got):
+  2.87 vs 4.81 and 2.39 vs 5.23 ms, against 3.01 vs 6.85 and 2.65 vs 6.14
+  on the H100 before it.
 
 The two-rank cases (straggler, mismatch, FSDP2 across GPUs) have never run
 on GPUs. On CPU, ``--dry-run`` checks its own matrix (the job
