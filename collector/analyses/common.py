@@ -325,7 +325,7 @@ def settle(run, final: bool = False) -> None:
     too (idempotent), so offline callers need nothing else. While the live
     collector has deferred it (`RunState.settle_deferred`), only a final
     settle does anything."""
-    if getattr(run, "settle_deferred", False) and not final:
+    if run.settle_deferred and not final:
         return
     with run.analysis_lock:
         _settle(run, final)

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from rankwatch import wire
+from rankwatch.config import Config
 
 from ..evidence import RankEvidence, fill_source
 from ..state import Incident, RunState
@@ -261,7 +262,8 @@ def _diagnose(run: RunState, incident: Incident, evidence: dict[int, RankEvidenc
                    summary, details)
 
 
-ASSUMED_BEAT_S = 1.0  # a rank's beat interval before two of its beats measured it (the agents' default)
+# A rank's beat interval before two of its beats measured it: the agents' default.
+ASSUMED_BEAT_S = Config.heartbeat_interval
 
 
 def _fresh(run: RunState, incident: Incident, evidence: dict[int, RankEvidence], live: list[int]) -> list[int]:
@@ -319,6 +321,16 @@ def _enqueued(run: RunState, rank: int, ev: Optional[RankEvidence]) -> Optional[
     return dict(state.enqueued) if state.enqueued else None
 
 
+def _front(seqs: dict[int, Optional[dict[str, int]]], ranks) -> dict[str, int]:
+    """Per process group, the furthest collective any of `ranks` enqueued."""
+    top: dict[str, int] = {}
+    for r in ranks:
+        for pg, seq in (seqs.get(r) or {}).items():
+            if seq > top.get(pg, -1):
+                top[pg] = seq
+    return top
+
+
 def _behind_in_collectives(seqs: dict[int, Optional[dict[str, int]]], live: list[int],
                            details: dict[str, Any], minority: bool = False) -> tuple[list[int], str]:
     """Per process group, the ranks whose last enqueued collective is behind
@@ -327,14 +339,14 @@ def _behind_in_collectives(seqs: dict[int, Optional[dict[str, int]]], live: list
     known = {r: seqs[r] for r in live if seqs.get(r)}
     if len(known) < 2:
         return [], ""
-    pgs = sorted({pg for s in known.values() for pg in s})
+    front = _front(seqs, known)
     behind: set[int] = set()
     waiting_at: dict[str, int] = {}
-    for pg in pgs:
+    for pg in sorted(front):
         members = {r: s[pg] for r, s in known.items() if pg in s}
         if len(members) < 2:
             continue
-        top = max(members.values())
+        top = front[pg]
         lagging = [r for r, v in members.items() if v < top]
         if lagging and len(lagging) < len(members) and (not minority or 2 * len(lagging) < len(members)):
             behind.update(lagging)
@@ -352,11 +364,7 @@ def _behind_unheard(seqs: dict[int, Optional[dict[str, int]]], fresh: list[int],
     since the stall began whose last numbers were behind the collective every
     rank heard since has reached (when they are a minority). Their last beat
     predates the stall, so the reason says so: some may have entered since."""
-    top: dict[str, int] = {}
-    for r in fresh:
-        for pg, seq in (seqs.get(r) or {}).items():
-            if seq > top.get(pg, -1):
-                top[pg] = seq
+    top = _front(seqs, fresh)
     heard = set(fresh)
     behind, waiting_at = [], {}
     for r in live:
