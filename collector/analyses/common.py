@@ -15,7 +15,7 @@ import numpy as np
 
 from rankwatch import wire
 
-from ..state import percentile
+from ..state import DURATIONS_KEPT, percentile
 
 # Frames in these files are torch's or Python's machinery; the user's code is elsewhere.
 _MACHINERY = (
@@ -208,7 +208,10 @@ def majority(values: dict[int, Any]) -> tuple[Any, list[int]]:
 #
 # The analyses never rescan history. Everything a rank sends is queued on the
 # run's feed (state.py); `settle` drains it into each analysis' tracker:
-#   on_record(run, rank, record)   every step record as it arrives (any order)
+#   on_records(run, records)       the step records taken in by one settle, as
+#                                  [(rank, record)] in arrival order (one call:
+#                                  a call per record was most of the intake at
+#                                  100,000 ranks)
 #   on_event(run, rank, event)     every event, per rank in arrival order
 #   on_step(run, step, records)    a sealed step: {rank: record}, steps in order
 #   on_prints(run, step, prints)   a sealed fingerprint step: {rank: fingerprint}
@@ -339,9 +342,11 @@ def _settle(run, final: bool) -> None:
     items = run.feed.drain()
     if not items and not final:
         return  # nothing new: O(1), however many ranks (each analysis calls settle)
-    on_record = [t.on_record for t in active if hasattr(t, "on_record")]
+    on_records = [t.on_records for t in active if hasattr(t, "on_records")]
     on_event = [t.on_event for t in active if hasattr(t, "on_event")]
     on_mark = [t.on_mark for t in active if hasattr(t, "on_mark")]
+    taken: list[tuple[int, Any]] = []
+    pending, frontier = sealer.pending, sealer.frontier
     for i, (kind, rank, item) in enumerate(items):
         if i % YIELD_EVERY == YIELD_EVERY - 1:
             _yield()
@@ -350,12 +355,13 @@ def _settle(run, final: bool) -> None:
             if step <= sealer.sealed_upto:
                 sealer.late += 1
                 continue
-            sealer.pending.setdefault(step, {})[rank] = item
-            if step > sealer.frontier.get(rank, -1):
-                sealer.frontier[rank] = step
-            run.note_duration(item)
-            for hook in on_record:
-                hook(run, rank, item)
+            at_step = pending.get(step)
+            if at_step is None:
+                at_step = pending[step] = {}
+            at_step[rank] = item
+            if step > frontier.get(rank, -1):
+                frontier[rank] = step
+            taken.append((rank, item))
         elif kind == "event":
             for hook in on_event:
                 hook(run, rank, item)
@@ -373,6 +379,13 @@ def _settle(run, final: bool) -> None:
             sealer.prints.setdefault(step, {}).setdefault(model if type(model) is int else 0, {})[rank] = item
             if step > sealer.print_frontier.get(rank, -1):
                 sealer.print_frontier[rank] = step
+    if taken:
+        # Only the newest DURATIONS_KEPT stay in the run's window: the same
+        # window as noting every record, without a call per record.
+        for _, record in taken[-DURATIONS_KEPT:]:
+            run.note_duration(record)
+        for hook in on_records:
+            hook(run, taken)
     if run.durations:
         run.typical_step_s = statistics.median(run.durations)
         run.step_p99_s = percentile(run.durations, 0.99)
@@ -380,6 +393,13 @@ def _settle(run, final: bool) -> None:
     live = [r for r in list(run.ranks) if r not in exited] if exited else list(run.ranks)
     _seal_steps(run, sealer, live, active, final)
     _seal_prints(run, sealer, live, active, final)
+
+
+def record_frontier(run) -> dict[int, int]:
+    """Each rank's newest step record taken in (rank -> step): what settle has
+    seen of every rank, for an analysis that asks which ranks reached a step."""
+    sealer = run.trackers.get("_sealer")
+    return sealer.frontier if sealer is not None else {}
 
 
 def _limit(frontier: dict[int, int], live: list[int], pending, lag: int, final: bool) -> int:

@@ -32,7 +32,8 @@ from typing import Any, Optional
 from rankwatch import wire
 
 from ..state import RunState
-from .common import StepEvents, majority, pairs, ranks_text, register_tracker, settle, tracker, verb, verdict
+from .common import (StepEvents, majority, pairs, ranks_text, record_frontier, register_tracker, settle, tracker, verb,
+                     verdict)
 from .weight_divergence import start_replicas
 
 NOT_COMPARED = ("replicas", "join")
@@ -88,7 +89,6 @@ class Tracker:
         self.changed = False
         self._facts_version = 0  # counts changes of the facts: the ranks' groups are kept until the next
         self._record_groups: Optional[tuple[int, set[int], list[list[int]]]] = None
-        self.frontier: dict[int, int] = {}  # each rank's newest step record
         self._deferred_values: Optional[dict] = None
         self.replicas: Optional[bool] = None
         self.finding: Optional[dict] = None
@@ -101,10 +101,6 @@ class Tracker:
 
     def on_event(self, run: RunState, rank: int, event: wire.Event) -> None:
         self.events.add(rank, event)
-
-    def on_record(self, run: RunState, rank: int, record: wire.StepRecord) -> None:
-        if record.step > self.frontier.get(rank, -1):
-            self.frontier[rank] = record.step
 
     def on_prints(self, run: RunState, step: int, prints: dict[int, dict]) -> None:
         if self.replicas is None and any(fp.get("at") == "start" for fp in prints.values()):
@@ -158,7 +154,8 @@ class Tracker:
             # Facts as of this step: every rank that has reached it (at scale a
             # sealed step holds only the ranks whose sampled records include it).
             self.changed = False
-            reached = {r: None for r in self.facts if self.frontier.get(r, -1) >= step}
+            frontier = record_frontier(run)  # each rank's newest step record
+            reached = {r: None for r in self.facts if frontier.get(r, -1) >= step}
             self._deferred_values = None
             for ranks in self._groups(reached):
                 found.update(self._compare(ranks))

@@ -73,6 +73,10 @@ class Tracker:
         if known is None or priority > known[0]:
             at_step[rank] = (priority, details)
 
+    def on_records(self, run: RunState, records: list[tuple[int, wire.StepRecord]]) -> None:
+        for rank, record in _unusual(records):
+            self.on_record(run, rank, record)
+
     def on_record(self, run: RunState, rank: int, record: wire.StepRecord) -> None:
         bad_loss = record.loss is not None and not math.isfinite(record.loss)
         if bad_loss:
@@ -85,7 +89,7 @@ class Tracker:
                 "parameters": [], "loss": record.loss})
 
     def on_step(self, run: RunState, step: int, records: dict[int, wire.StepRecord]) -> None:
-        for rank, record in paced(records.items()):  # a GPU rank fills its loss a step late
+        for rank, record in _unusual(paced(records.items())):  # a GPU rank fills its loss a step late
             self.on_record(run, rank, record)
         if self.dead is None:
             self._judge_dead(run, step, records)
@@ -122,6 +126,14 @@ class Tracker:
             s.best = max(s.best, s.length)
             if s.best >= REPEATED_SKIPS:
                 self.repeated.add(rank)
+
+
+def _unusual(records) -> list:
+    """The (rank, record) pairs whose gradients or loss are not finite: one
+    comprehension over a step's records (a call per record cost ~0.2 s a
+    100,000-rank step). ``x - x`` is 0.0 for a finite float, nan otherwise."""
+    return [(rank, record) for rank, record in records
+            if record.nonfinite_grads or ((loss := record.loss) is not None and loss - loss != 0.0)]
 
 
 register_tracker("nonfinite", Tracker)
