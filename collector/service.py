@@ -25,6 +25,7 @@ from rankwatch.cadence import backoff_cap, node_report_interval
 from rankwatch.outputs import report as report_output
 
 from . import analyses, ingest, report as report_mod, stuck
+from .analysis_budget import AnalysisBudget
 from .changes import Changes
 from .evidence import RankEvidence, from_bundle
 from .analyses import hang
@@ -78,6 +79,7 @@ class _RunRuntime:
     failed: set = field(default_factory=set)  # what already failed for this run (logged once)
     dead_announced: bool = False  # the dead-run line was said (once per run)
     named_incidents: set = field(default_factory=set)  # hang incidents whose diagnosis came in
+    budget: AnalysisBudget = field(default_factory=AnalysisBudget)  # the analyses' share of a core -> step stride
 
 
 class Collector:
@@ -194,6 +196,10 @@ class Collector:
             else:
                 raise RequestError("collector has no storage configured", 500)
         return rt.run_dir
+
+    def _stride_scale(self, run_id: str) -> int:
+        rt = self._rt.get(run_id)
+        return rt.budget.scale if rt is not None else 1
 
     def _runtime(self, run_id: str) -> _RunRuntime:
         rt = self._rt.get(run_id)
@@ -334,7 +340,8 @@ class Collector:
             timeout = (run.hang_timeout if run is not None and run.hang_timeout else None) or self.config.hang_timeout
         return wire.NodeReply(commands=commands, ranks=ranks, verdicts=node_reply.verdicts,
                               interval=node_report_interval(world, timeout or self.config.adaptive_floor),
-                              step_stride=record_stride(world, run.typical_step_s if run is not None else None))
+                              step_stride=record_stride(world, run.typical_step_s if run is not None else None,
+                                                        self._stride_scale(run_id)))
 
     def ingest_bundle(self, data: bytes, run_hint: str = "", now: Optional[float] = None,
                       rank_hint: str = "") -> dict[str, Any]:
@@ -419,6 +426,14 @@ class Collector:
                 self._failed_once(run, rt, "tick")
 
     def _tick_run(self, run: RunState, rt: _RunRuntime, now: float) -> None:
+        began = time.thread_time()
+        try:
+            self._watch_and_analyse(run, rt, now)
+        finally:
+            rt.budget.spent(time.thread_time() - began)
+            rt.budget.review(now)
+
+    def _watch_and_analyse(self, run: RunState, rt: _RunRuntime, now: float) -> None:
         with self._lock:
             if not run.finished:
                 self._watch_for_hang(run, now)
@@ -885,19 +900,21 @@ STEP_RECORDS_PER_SECOND = 20_000  # what one collector takes in comfortably, wit
 MAX_STRIDE = 64
 
 
-def record_stride(world_size: int, typical_step_s: Optional[float]) -> Optional[int]:
+def record_stride(world_size: int, typical_step_s: Optional[float], scale: int = 1) -> Optional[int]:
     """Every how many steps the relays forward each rank's step record (see
     `NodeReply.step_stride`): a power of two keeping the job's records near
-    STEP_RECORDS_PER_SECOND (100,000 ranks at a step a second: every 8th step).
+    STEP_RECORDS_PER_SECOND (100,000 ranks at a step a second: every 8th step),
+    times `scale`, the run's `AnalysisBudget` (collector/analysis_budget.py:
+    coarser while the analyses use more than their share of a core).
     The cross-rank analyses read the same sampled steps on every rank; the
     relays still forward every unusual record, and the hang watch reads the
     heartbeats, not the records."""
-    if not typical_step_s or world_size <= STEP_RECORDS_PER_SECOND * 0.05:
-        return None
-    rate = world_size / max(typical_step_s, 0.01)
     stride = 1
-    while rate / stride > STEP_RECORDS_PER_SECOND and stride < MAX_STRIDE:
-        stride *= 2
+    if typical_step_s and world_size > STEP_RECORDS_PER_SECOND * 0.05:
+        rate = world_size / max(typical_step_s, 0.01)
+        while rate / stride > STEP_RECORDS_PER_SECOND and stride < MAX_STRIDE:
+            stride *= 2
+    stride = min(MAX_STRIDE, stride * max(1, scale))
     return stride if stride > 1 else None
 
 

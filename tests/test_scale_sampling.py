@@ -16,8 +16,10 @@ import time
 import pytest
 
 from rankwatch import wire
-from rankwatch.collector import analyses
+from rankwatch.collector import analyses, analysis_budget
+from rankwatch.collector import service as service_mod
 from rankwatch.collector.analyses import collective_mismatch, grad_spike, hang
+from rankwatch.collector.analysis_budget import AnalysisBudget
 from rankwatch.collector.service import Collector, record_stride
 from rankwatch.collector.state import RunState
 from rankwatch.collector.store import Store
@@ -80,6 +82,55 @@ def test_the_collector_asks_a_big_fast_job_for_a_stride():
     reply = c.ingest_node_report(wire.NodeReport(node=node, heartbeats=[]))
     assert reply.step_stride == 8 and reply.interval == 10.0
     assert json.loads(json.dumps(wire.to_dict(reply)))["step_stride"] == 8
+    c.stop()
+
+
+def test_the_analysis_budget_coarsens_the_stride_while_over_its_share_and_relaxes_it_after():
+    budget = AnalysisBudget(share=0.1, window_s=30.0)
+    assert budget.review(0.0) == 1
+    budget.spent(2.0)
+    assert budget.review(20.0) == 1  # judged only once a window has passed
+    budget.spent(2.0)
+    assert budget.review(30.0) == 2  # 4 s of CPU in 30 s: 0.13 of a core, over 0.1
+    budget.spent(1.5)
+    assert budget.review(60.0) == 2  # 0.05: under the share, not under a quarter of it
+    assert budget.review(90.0) == 1  # nothing: finer again
+    for window in range(10):
+        budget.spent(30.0)
+        budget.review(120.0 + 30.0 * window)
+    assert budget.scale == analysis_budget.MAX_SCALE
+    assert record_stride(100_000, 1.0, 4) == 32 and record_stride(100_000, 1.0, 64) == 64  # bounded
+    assert record_stride(2_000, 1.0, 4) == 4  # a costly small job is sampled too
+    assert record_stride(64, 0.01, 1) is None
+
+
+def test_a_collector_whose_ticks_cost_more_than_their_share_asks_for_a_coarser_stride(monkeypatch):
+    """The tick thread's CPU on a run is what the budget reads: ticks that
+    cost half a core make the relays' stride double, cheap ones undo it."""
+    c = Collector(Config(hang_timeout=20))
+    run = c._run("big", 100_000)
+    run.typical_step_s = 1.0
+    cost = {"per_tick": 0.5, "clock": 0.0}
+
+    def thread_time() -> float:  # each tick's two reads are `per_tick` apart
+        cost["clock"] += cost["per_tick"] / 2
+        return cost["clock"]
+
+    monkeypatch.setattr(service_mod.time, "thread_time", thread_time)
+    node = wire.NodeHeartbeat(run_id="big", host="n0", node_rank=0, world_size=100_000, sent_at=time.time())
+
+    def stride() -> int:
+        return c.ingest_node_report(wire.NodeReport(node=node, heartbeats=[])).step_stride
+
+    assert stride() == 8
+    now = time.time()
+    for second in range(62):
+        c.tick(now + second)
+    assert stride() == 32  # two windows over the share: 8 x 2 x 2
+    cost["per_tick"] = 0.0
+    for second in range(62, 62 + 62):
+        c.tick(now + second)
+    assert stride() == 8
     c.stop()
 
 
