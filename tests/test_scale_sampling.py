@@ -392,6 +392,30 @@ def test_a_big_job_whose_culprits_node_is_not_heard_since_the_stall_waits_then_n
     c.stop()
 
 
+def test_a_big_job_heard_from_too_little_since_the_stall_is_not_said_to_have_no_rank_standing_out():
+    """A collector far behind (seen at 100,000 ranks on a slow machine: p50
+    22 s) heard a quarter of the ranks since the stall began, all at the
+    front; the rest were last heard before it, behind as every rank was then.
+    No number names anyone, and "no rank stands out" named every rank once
+    the wait was over. Now it waits for more (the end of the run still
+    judges what is known)."""
+    c = Collector(Config(hang_timeout=20, on_hang="wait"))
+    now = time.time()
+    run = _stalled_big_job(c, now, late=CULPRIT // 8, delay=(0.005, 0.01))
+    heard = set(range(WORLD // 4))
+    for r, state in run.ranks.items():  # the last three quarters: last heard a minute ago
+        if r not in heard:
+            state.beat_at = state.last_heartbeat_at = now - 60
+            state.enqueued = {"0": 150}
+    c.tick(now)
+    incident = next(i for i in run.incidents if i.kind == "hang")
+    late = incident.opened_at + hang.STALE_WAIT_S + 0.1
+    assert hang.diagnose(run, incident, late, final=False) is None
+    found = hang.diagnose(run, incident, late, final=True)
+    assert found is not None  # the run's end names what it can
+    c.stop()
+
+
 def test_a_big_jobs_diagnosis_waiting_for_fresher_numbers_is_asked_again_once_a_second(monkeypatch):
     """Every tick asks for the hang diagnosis several times (the incident's
     follow-up, the analyses' pass), each a read of every rank under the

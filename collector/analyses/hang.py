@@ -173,6 +173,12 @@ def _diagnose(run: RunState, incident: Incident, evidence: dict[int, RankEvidenc
                 if not waited:
                     return None
                 culprits, reason = _behind_unheard(seqs, fresh, live, details)
+            if not culprits and len(fresh) < FRESH_SHARE * len(live) and not final:
+                # Too few ranks heard since the stall (a collector far behind,
+                # relays shed and backing off) for "no rank stands out": with
+                # no bundle from most ranks, the stack outliers and the
+                # fallback below would name every rank on what is not known.
+                return None
         else:
             culprits, reason = _behind_in_collectives(seqs, live, details)
     if not culprits:
