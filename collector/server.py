@@ -61,6 +61,7 @@ _RUN_PATH = re.compile(r"^/v1/runs/([A-Za-z0-9_.-]{1,128})/(report|finish)$")
 
 REQUEST_TIMEOUT = 10.0  # seconds for a whole request (line, headers, body) once it started
 IDLE_TIMEOUT = 120.0  # a kept-alive connection with no request
+SHED_BODY_GRACE_S = 0.5  # a shed request's body still arriving is waited for this long, then its connection closed
 MAX_CONNECTIONS = 20_000  # standalone; the embedded server takes fewer (see CollectorServer)
 MAX_NODE_REPORT_BYTES = 16 * 1024 * 1024  # 8+ ranks' beats in one request
 
@@ -544,18 +545,33 @@ class AsyncCollectorServer:
                 ticket = server.admission.enter()
                 if ticket is None:  # behind: answered before the body is decoded
                     response = _aio_response(web, server.admission.shed_response())
-                    if request.content.is_eof():
-                        await request.read()  # already buffered: taken (not decoded), the connection kept
+                    if await body_arrived(request, protocol):
                         if isinstance(protocol, Protocol):
                             protocol.started = None  # so the next request on it gets its own deadline
                     else:
-                        response.force_close()  # still arriving: not waited for
+                        response.force_close()  # body unread: the connection cannot be reused
                     return response
             try:
                 return await ingest_or_route(request, protocol, method, path, ticket)
             finally:
                 if ticket is not None:
                     server.admission.leave(ticket, None)  # no-op once taken in; else the body never came
+
+        async def body_arrived(request, protocol) -> bool:
+            """Take a shed request's body (read, never decoded) if it is in or
+            comes within SHED_BODY_GRACE_S, so its connection can be kept.
+            http.client (the relays' transport) sends the headers and the body
+            in two writes, so on a busy loop the handler often starts between
+            them; closing then would make every shed relay reconnect."""
+            try:
+                if request.content.is_eof():
+                    await request.read()
+                else:
+                    grace = min(SHED_BODY_GRACE_S, server._remaining(protocol))
+                    await asyncio.wait_for(request.read(), max(0.0, grace))
+                return True
+            except (ConnectionError, OSError, asyncio.TimeoutError):
+                return False
 
         async def ingest_or_route(request, protocol, method, path, ticket) -> "web.StreamResponse":
             body = b""

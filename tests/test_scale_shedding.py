@@ -127,8 +127,8 @@ def test_a_reports_wait_for_ingest_is_not_taken_for_transit(tmp_path, kind):
 
 
 def test_a_connection_kept_after_a_shed_report_is_not_cut_off_while_idle(tmp_path):
-    """A shed report whose body was already in keeps its connection; the
-    request's deadline ends with it, so the sweeper does not cut the idle
+    """A shed report whose body was in, or came just after its headers, keeps
+    its connection; the request's deadline ends with it, so the sweeper does not cut the idle
     connection off a request timeout later (the relay's next report on it
     would fail as a broken connection)."""
     collector = Collector(Config(hang_timeout=30.0), data_dir=tmp_path)
@@ -146,7 +146,13 @@ def test_a_connection_kept_after_a_shed_report_is_not_cut_off_while_idle(tmp_pat
                 while server.admission.inflight < 1 and time.monotonic() < deadline:
                     time.sleep(0.01)
                 time.sleep(0.3)  # older than the latency budget
-                conn.request("POST", "/v1/node-report", body=_report(2), headers=headers)
+                body = _report(2)
+                conn.putrequest("POST", "/v1/node-report")
+                for name, value in {**headers, "Content-Length": str(len(body))}.items():
+                    conn.putheader(name, value)
+                conn.endheaders()  # the headers alone: the server sheds before the body comes
+                time.sleep(0.1)  # a body that comes a little later (http.client writes it apart anyway)
+                conn.send(body)
                 shed = conn.getresponse()
                 shed.read()
                 assert shed.status == 503
