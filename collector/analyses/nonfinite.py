@@ -75,9 +75,10 @@ class Tracker:
 
     def on_records(self, run: RunState, records: list[tuple[int, wire.StepRecord]]) -> None:
         for rank, record in _unusual(records):
-            self.on_record(run, rank, record)
+            self._note_record(run, rank, record)
 
-    def on_record(self, run: RunState, rank: int, record: wire.StepRecord) -> None:
+    def _note_record(self, run: RunState, rank: int, record: wire.StepRecord) -> None:
+        """One record ``_unusual`` picked: its loss, its gradients or both were not finite."""
         bad_loss = record.loss is not None and not math.isfinite(record.loss)
         if bad_loss:
             self.bad_loss.setdefault(record.step, set()).add(rank)
@@ -90,7 +91,7 @@ class Tracker:
 
     def on_step(self, run: RunState, step: int, records: dict[int, wire.StepRecord]) -> None:
         for rank, record in _unusual(paced(records.items())):  # a GPU rank fills its loss a step late
-            self.on_record(run, rank, record)
+            self._note_record(run, rank, record)
         if self.dead is None:
             self._judge_dead(run, step, records)
 
