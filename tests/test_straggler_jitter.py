@@ -130,3 +130,33 @@ def test_a_rank_three_times_slower_on_millisecond_steps_is_named_and_their_jitte
     found = [(v.kind, v.ranks, v.step) for v in sensitivity.analyse(slowed)]
     assert [f[:2] for f in found] == [("straggler", [1])], found
     assert abs(found[0][2] - fault_step) <= 12, (found, fault_step)
+
+
+def test_the_window_scores_in_arrays_are_each_ranks_own_scores():
+    """Every rank's window score (the metric), taken for all ranks at once in
+    arrays, equals the score taken rank by rank, at a size where the sealed
+    step is kept in columns (300 ranks, one of them 1.5x slower, ranks
+    arriving in any order)."""
+    import random
+
+    from rankwatch.collector.analyses import straggler
+
+    rnd = random.Random(7)
+    run = RunState("columns", 300)
+    found = straggler.Tracker()
+    for step in range(40):
+        ranks = list(range(300))
+        rnd.shuffle(ranks)
+        records = {r: wire.StepRecord(step=step, started_at=T0 + step, ended_at=T0 + step + 0.3, forwards=1,
+                                      compute_s=0.2 * (0.9 + 0.2 * rnd.random()) * (1.5 if r == 123 else 1.0),
+                                      data_s=0.01)
+                   for r in ranks}
+        for r in ranks:
+            run.rank(r)
+        found.on_step(run, step, records)
+    scores = found.latest_scores()
+    assert sorted(scores) == list(range(300))
+    for rank in (0, 123, 299):
+        assert scores[rank] == found._score(rank)
+    assert scores[123]["score"] > 1.3 > scores[0]["score"]
+    assert found.finding is not None and found.finding["worst_rank"] == 123

@@ -467,13 +467,7 @@ def peer_medians(values: dict[int, float]) -> dict[int, float]:
         return {}
     half = m // 2
     if n >= PEER_MEDIANS_IN_ARRAYS:
-        given = np.fromiter(values.values(), float, n)
-        ordered = np.sort(given)
-        at = np.searchsorted(ordered, given, "left")  # drop one copy of this rank's value
-        hi = np.where(half < at, ordered[half], ordered[half + 1])
-        if not m % 2:
-            hi = (np.where(half - 1 < at, ordered[half - 1], ordered[half]) + hi) / 2
-        return dict(zip(values, hi.tolist()))
+        return dict(zip(values, peer_medians_of(np.fromiter(values.values(), float, n)).tolist()))
     ordered = sorted(values.values())
     out: dict[int, float] = {}
     for rank, value in values.items():
@@ -485,6 +479,19 @@ def peer_medians(values: dict[int, float]) -> dict[int, float]:
             lo = ordered[half - 1] if half - 1 < i else ordered[half]
             out[rank] = (lo + hi) / 2
     return out
+
+
+def peer_medians_of(given: np.ndarray) -> np.ndarray:
+    """`peer_medians` of an array (n >= 2 finite values): element i is the
+    median of every value but the i-th, in a sort and a few array operations."""
+    m = len(given) - 1
+    half = m // 2
+    ordered = np.sort(given)
+    at = np.searchsorted(ordered, given, "left")  # drop one copy of this rank's value
+    hi = np.where(half < at, ordered[half], ordered[half + 1])
+    if not m % 2:
+        hi = (np.where(half - 1 < at, ordered[half - 1], ordered[half]) + hi) / 2
+    return hi
 
 
 def median(values) -> float:

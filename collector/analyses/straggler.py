@@ -44,10 +44,12 @@ import re
 import statistics
 from typing import Optional
 
+import numpy as np
+
 from rankwatch import wire
 
 from ..state import RunState
-from .common import note_margin, paced, peer_medians, ranks_text, register_tracker, settle, tracker, verb, verdict
+from .common import note_margin, paced, peer_medians_of, ranks_text, register_tracker, settle, tracker, verb, verdict
 
 THRESHOLD = 1.33  # own / peers' median time (1 / 0.75)
 WINDOW = 12  # steps
@@ -73,6 +75,31 @@ def own_time(record: wire.StepRecord) -> Optional[float]:
     return record.compute_s  # measured from the step's start: includes data loading
 
 
+class _Step:
+    """One scored step in columns, ordered by rank: each rank's own time, its
+    peers' median, whether it was over the bound, and its data-loading time
+    (nan where not reported). Columns, not a tuple per rank: at 100,000 ranks
+    the per-rank Python of a sealed step cost ~0.7 s on a slow machine."""
+    __slots__ = ("step", "ranks", "own", "peers", "over", "data")
+
+    def __init__(self, step: int, ranks: np.ndarray, own: np.ndarray, peers: np.ndarray, over: np.ndarray,
+                 data: np.ndarray) -> None:
+        self.step, self.ranks, self.own, self.peers, self.over, self.data = step, ranks, own, peers, over, data
+
+    def index(self, rank: int) -> Optional[int]:
+        i = int(np.searchsorted(self.ranks, rank))
+        return i if i < len(self.ranks) and self.ranks[i] == rank else None
+
+
+def _stacked(window: list[_Step]) -> bool:
+    """Whether every step of the window holds the same ranks (the usual case):
+    then a rank's column is the same index in each, and the window is scored
+    in 2-D arrays."""
+    first = window[0].ranks
+    return all(len(e.ranks) == len(first) and (e.ranks is first or np.array_equal(e.ranks, first))
+               for e in window[1:])
+
+
 class Tracker:
     """The window's steps that every rank reported (the last WINDOW steps or
     MIN_SPAN_S seconds, whichever is longer), each rank's time next to its
@@ -81,8 +108,7 @@ class Tracker:
     scored over the window only when that count makes it a candidate."""
 
     def __init__(self) -> None:
-        # step -> rank -> (own, peers' median, over, data_s, started_at)
-        self.window: collections.deque[tuple[int, dict[int, tuple]]] = collections.deque()
+        self.window: collections.deque[_Step] = collections.deque()
         self.window_s: collections.deque[float] = collections.deque()  # each window step's slowest own time
         self.span_s = 0.0  # their sum
         self.max_steps = MAX_WINDOW_STEPS
@@ -106,15 +132,15 @@ class Tracker:
         self.sigma = 0.0
         self.bound = THRESHOLD
 
-    def _update_jitter(self, times: dict[int, float], peers: dict[int, float]) -> None:
+    def _update_jitter(self, ranks: np.ndarray, own: np.ndarray, peers: np.ndarray) -> None:
         """Sample this step's log ratios and re-estimate sigma and the bound
         (one sort of at most JITTER_STEPS x JITTER_RANKS floats a step)."""
-        ranks = sorted(times) if len(times) <= JITTER_RANKS else sorted(times)[:: len(times) // JITTER_RANKS]
-        need = JITTER_STEPS * len(ranks)
+        n = len(ranks)
+        sample = slice(None) if n <= JITTER_RANKS else slice(None, None, n // JITTER_RANKS)  # ranks are sorted
+        need = JITTER_STEPS * len(range(n)[sample])
         if self.jitter.maxlen != need:
             self.jitter = collections.deque(self.jitter, maxlen=need)
-        for rank in ranks:
-            mine, others = times[rank], peers[rank]
+        for rank, mine, others in zip(ranks[sample].tolist(), own[sample].tolist(), peers[sample].tolist()):
             if mine <= 0 or others <= 0:
                 continue
             x = math.log(mine / others)
@@ -126,39 +152,46 @@ class Tracker:
             self.sigma = statistics.median(self.jitter) / HALF_NORMAL_DIFF
             self.bound = THRESHOLD * math.exp(self.sigma)
 
-    def _over(self, mine: float, others: float) -> bool:
-        return mine > self.bound * others and mine - others > MIN_EXCESS_S
+    def _over(self, own, peers):
+        """Over the bound: beyond the jitter-raised ratio and by more than the
+        timer's granularity (floats or arrays alike)."""
+        return (own > self.bound * peers) & (own - peers > MIN_EXCESS_S)
 
     def on_step(self, run: RunState, step: int, records: dict[int, wire.StepRecord]) -> None:
-        times = {r: t for r, rec in records.items() if (t := own_time(rec)) is not None}
-        if len(times) != len(run.ranks) or len(times) < 2:
+        if len(records) != len(run.ranks) or len(records) < 2:
             return
-        peers = peer_medians(times)
-        self._update_jitter(times, peers)
+        ranks = np.fromiter(records, np.int64, len(records))
+        own = np.array([rec.compute_s for rec in records.values()], dtype=float)  # None -> nan
+        if np.isnan(own).any():  # a rank without its own time: the step is not comparable
+            return
+        order = np.argsort(ranks, kind="stable")
+        ranks, own = ranks[order], own[order]
+        peers = peer_medians_of(own)
+        self._update_jitter(ranks, own, peers)
+        over = self._over(own, peers)
         if step < SKIP_FIRST:
-            self._early(step, times, peers, records)
+            for rank in ranks[over].tolist():  # start-up steps: not scored, only where a streak began
+                if rank not in self.early:
+                    self.early[rank] = (step, records[rank].started_at)
             return
-        entry = {}
-        slowest = 0.0  # the step's least duration: its slowest rank's own time
-        for rank, mine in paced(times.items()):
-            others = peers[rank]
-            over = self._over(mine, others)
-            rec = records[rank]
-            slowest = max(slowest, mine)
-            entry[rank] = (mine, others, over, rec.data_s, rec.started_at)
-            if over:
-                self.over[rank] = self.over.get(rank, 0) + 1
-                if rank not in self.since or step - self.last_over[rank] > WINDOW:
-                    self.since[rank] = self.early.get(rank, (step, rec.started_at))
-                self.last_over[rank] = step
+        data = np.array([rec.data_s for rec in records.values()], dtype=float)[order]  # None -> nan
+        for rank in ranks[over].tolist():
+            self.over[rank] = self.over.get(rank, 0) + 1
+            if rank not in self.since or step - self.last_over[rank] > WINDOW:
+                self.since[rank] = self.early.get(rank, (step, records[rank].started_at))
+            self.last_over[rank] = step
         self.early.clear()  # counts only for a rank over from the first scored step
-        self.window.append((step, entry))
+        if self.window and np.array_equal(self.window[-1].ranks, ranks):
+            ranks = self.window[-1].ranks  # shared: the window's steps compare by identity
+        self.window.append(_Step(step, ranks, own, peers, over, data))
         # A record may stand for several steps: the agent thins them on short
-        # steps, so the ones in between count at this one's pace.
-        span = slowest * min(max(1, step - self.window[-2][0]) if len(self.window) > 1 else 1, WINDOW)
+        # steps, so the ones in between count at this one's pace. A step's
+        # least duration is its slowest rank's own time.
+        slowest = float(own.max())
+        span = slowest * min(max(1, step - self.window[-2].step) if len(self.window) > 1 else 1, WINDOW)
         self.window_s.append(span)
         self.span_s += span
-        self.max_steps = max(WINDOW, min(MAX_WINDOW_STEPS, WINDOW_ENTRIES // len(times)))
+        self.max_steps = max(WINDOW, min(MAX_WINDOW_STEPS, WINDOW_ENTRIES // len(ranks)))
         while len(self.window) > WINDOW and (len(self.window) > self.max_steps
                                              or self.span_s - self.window_s[0] >= MIN_SPAN_S):
             self._drop_oldest()
@@ -172,17 +205,16 @@ class Tracker:
             self._evaluate(run)
 
     def _drop_oldest(self) -> None:
-        _, entry = self.window.popleft()
+        old = self.window.popleft()
         self.span_s -= self.window_s.popleft()
-        for rank, old in entry.items():
-            if old[2]:
-                left = self.over[rank] - 1
-                if left:
-                    self.over[rank] = left
-                else:
-                    del self.over[rank]
-                    self.since.pop(rank, None)  # a whole window clear: a later slowness is a new one
-                    self.last_over.pop(rank, None)
+        for rank in old.ranks[old.over].tolist():
+            left = self.over[rank] - 1
+            if left:
+                self.over[rank] = left
+            else:
+                del self.over[rank]
+                self.since.pop(rank, None)  # a whole window clear: a later slowness is a new one
+                self.last_over.pop(rank, None)
 
     def steps_needed(self) -> int:
         """The steps a full window holds at the run's current pace: WINDOW,
@@ -196,36 +228,35 @@ class Tracker:
         more = math.ceil(MIN_SPAN_S / pace) + 1 if pace > 0 else self.max_steps
         return max(WINDOW, min(self.max_steps, more))
 
-    def _early(self, step: int, times: dict[int, float], peers: dict[int, float],
-               records: dict[int, wire.StepRecord]) -> None:
-        """Start-up steps: not scored (bucket rebuilds, warm caches), only
-        the first on which each rank was over the threshold."""
-        for rank, mine in times.items():
-            if rank not in self.early and self._over(mine, peers[rank]):
-                self.early[rank] = (step, records[rank].started_at)
-
     def latest_scores(self) -> dict[int, dict]:
         """Every rank's score over the latest window (a metric): computed when
-        asked, at most once a window (~15 us a rank: 1.5 s at 100,000 ranks,
-        not on every sealed step)."""
+        asked, at most once a window; in 2-D arrays when the window's steps
+        hold the same ranks."""
         window = list(self.window)
         if len(window) < self.steps_needed():
             return self.scores
-        step = window[-1][0]
+        step = window[-1].step
         if step - self.scored_step >= len(window) or not self.scores:
-            self.scores = {r: self._score(r, window) for r in paced(list(window[-1][1]))}
+            if _stacked(window):
+                own = np.median(np.stack([e.own for e in window]), axis=0).tolist()
+                peer = np.median(np.stack([e.peers for e in window]), axis=0).tolist()
+                over = np.stack([e.over for e in window]).sum(axis=0).tolist()
+                self.scores = {r: {"score": o / max(p, 1e-9), "own_median_s": o, "peer_median_s": p, "steps_over": c}
+                               for r, o, p, c in zip(window[-1].ranks.tolist(), own, peer, over)}
+            else:
+                self.scores = {r: self._score(r, window) for r in paced(window[-1].ranks.tolist())}
             self.scored_step = step
         return self.scores
 
     def _score(self, rank: int, window=None) -> dict:
         own, peer, over = [], [], 0
-        for _, entry in (self.window if window is None else window):
-            row = entry.get(rank)
-            if row is None:
+        for entry in (self.window if window is None else window):
+            i = entry.index(rank)
+            if i is None:
                 continue
-            own.append(row[0])
-            peer.append(row[1])
-            if row[2]:
+            own.append(float(entry.own[i]))
+            peer.append(float(entry.peers[i]))
+            if entry.over[i]:
                 over += 1
         if not own:
             return {"score": 0.0, "own_median_s": 0.0, "peer_median_s": 0.0, "steps_over": 0}
@@ -246,10 +277,10 @@ class Tracker:
         minority = len(slow) < len(run.ranks) / 2 or (len(run.ranks) == 2 and len(slow) == 1)
         if not minority:
             return
-        steps = [s for s, _ in self.window]
+        steps = [e.step for e in self.window]
         worst_rank = max(slow, key=lambda r: slow[r]["score"])
         start, first_at = self.since[worst_rank]  # a candidate has been over the threshold: never missing
-        ranks = sorted(self.window[-1][1])
+        ranks = self.window[-1].ranks.tolist()
         if len(ranks) > 64:  # evidence stays small at any size: the slow ranks and a sample of the others
             ranks = sorted(set(slow) | set(ranks[:: max(1, len(ranks) // 64)]))
         self.finding = {
@@ -263,11 +294,11 @@ class Tracker:
         """Where the extra time goes: data loading or forward/backward."""
         data: dict[int, list[float]] = {}
         compute: dict[int, list[float]] = {}
-        for _, entry in self.window:
-            for r, row in entry.items():
-                d = row[3] or 0.0
-                data.setdefault(r, []).append(d)
-                compute.setdefault(r, []).append(row[0] - d)
+        for entry in self.window:
+            d = np.nan_to_num(entry.data, nan=0.0)
+            for r, di, ci in zip(entry.ranks.tolist(), d.tolist(), (entry.own - d).tolist()):
+                data.setdefault(r, []).append(di)
+                compute.setdefault(r, []).append(ci)
         split = {r: (statistics.median(data[r]), statistics.median(compute[r])) for r in data}
         mine = split[rank]
         peers = [v for r, v in split.items() if r != rank]
