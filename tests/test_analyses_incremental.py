@@ -315,9 +315,9 @@ def test_one_tick_costs_the_same_after_a_long_run():
                 for r in range(n):
                     c.ingest_heartbeat(heartbeat("long", r, n, s + 10, [record(k, r) for k in range(s, s + 10)],
                                                  T0 + s), T0 + s)
-                began = time.process_time()
+                began = time.thread_time()  # the tick runs here; the store's writer thread is not its cost
                 c.tick(T0 + s + 5)  # analyses due every tick
-                spent += time.process_time() - began
+                spent += time.thread_time() - began
         finally:
             gc.enable()
         return spent

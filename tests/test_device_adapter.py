@@ -83,6 +83,7 @@ def _records(agent) -> dict[int, wire.StepRecord]:
 
 
 def test_double_events_complete_only_after_later_work_and_copies_wait_for_them(gpu):
+    gpu.latency_s = 3600.0  # done only by later work, never by the clock (a slow machine's pause)
     reads = device_mod.DeferredReads()
     got = []
     reads.submit([torch.tensor(2.0), torch.tensor([3.0, 4.0])], got.append)
@@ -314,10 +315,10 @@ def test_a_caught_oom_gives_no_oom_and_costs_nothing_on_the_allocating_thread(ag
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     _train(model, opt, 2)
     for batch in (1 << 30, 1 << 28, 1 << 26):  # a batch-size finder
-        started = time.perf_counter()
+        started = time.thread_time()  # this thread's own work: a scheduler's pause on a busy machine is not it
         with pytest.raises(torch.cuda.OutOfMemoryError):
             gpu.raise_oom(batch * 4)
-        assert time.perf_counter() - started < 0.05
+        assert time.thread_time() - started < 0.1
     assert built == [], "no bundle on the allocating thread"
     _train(model, opt, 2)
     kinds = [e.kind for e in agent.events_log]

@@ -46,6 +46,6 @@ def test_ctrl_c_on_a_hung_job_says_what_happens_and_ends_it_quickly(tmp_path):
     text = _lines(err)
     said = [line for line in text.splitlines() if line.startswith("[rankwatch] Ctrl-C:")]
     assert len(said) == 1 and "job is hung" in said[0] and "SIGKILL" in said[0], text[-3000:]
-    assert took < 20, f"{took:.1f} s from Ctrl-C to exit (torchrun alone: 30 s+)\n{text[-3000:]}"
+    assert took < 25, f"{took:.1f} s from Ctrl-C to exit (torchrun alone: 30 s+)\n{text[-3000:]}"
     assert proc.returncode != 0
     assert (tmp_path / "run" / "report.json").is_file()

@@ -17,6 +17,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import TORCH_TEARDOWN_ABORT, worker_env
 
 RANKS = 8
@@ -75,6 +77,7 @@ def _launch(cmd: list[str], cwd: Path, timeout: float) -> tuple[int, float, floa
     return proc.returncode, cpu, wall, log.read_text()
 
 
+@pytest.mark.timeout(900)  # two launches of up to LAUNCH_TIMEOUT each; ~240 s on a slow machine
 def test_long_healthy_run_no_verdict_and_cheap_launcher(tmp_path):
     script = tmp_path / "tiny.py"
     script.write_text(textwrap.dedent(SCRIPT))

@@ -24,7 +24,9 @@ DATA = Path(__file__).parent / "data"
 
 
 def test_slow_rank_is_a_straggler_with_profiler_evidence(tmp_path, train_script):
-    job = run_job(tmp_path, ["--nproc-per-node", "2", str(train_script), "--steps", "45",
+    # 90 steps of >= 0.2 s: named after ~5 s of them, then a 3-step profile
+    # read and sent while the job still runs (45 steps left ~4 s for it).
+    job = run_job(tmp_path, ["--nproc-per-node", "2", str(train_script), "--steps", "90",
                              "--fault", "slow", "--fault-rank", "1", "--fault-step", "0", "--fault-size", "200"])
     assert job.exit_code == 0, "a straggler is reported, not killed"
     straggler = job.only("straggler")

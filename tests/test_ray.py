@@ -158,7 +158,8 @@ def test_hang_is_named_and_the_run_ends_with_rankwatch_abort(cluster, tmp_path):
     # run ends by the busy bound, max(300 s, 10 x the hang timeout) by default,
     # set shorter here to keep the test short.
     job = run_driver(cluster, tmp_path, "hang", ["--fault", "hang", "--fault-rank", "1", "--fault-step", "5",
-                                                 "--steps", "60"], extra_env={"RANKWATCH_HANG_ABORT_TIMEOUT": "40"})
+                                                 "--steps", "60"], extra_env={"RANKWATCH_HANG_ABORT_TIMEOUT": "40"},
+                     timeout=240)  # Ray's start-up and teardown around the fixed 40 s: ~150 s on a slow machine
     assert job.exit_code != 0
     hang = job.only("hang")
     assert hang["ranks"] == [1] and hang["step"] == 5

@@ -5,6 +5,7 @@ health probe, slow clients cut off)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import socket
 import threading
@@ -117,11 +118,16 @@ def test_agent_heartbeat_cpu_at_1000_steps_per_second(collector):
     agent = _agent(srv.url)
     beats = 20
     used = 0.0
-    for k in range(beats):
-        _steps(agent, 1000 * k, 1000)  # one second of training at 1,000 steps/s
-        started = time.thread_time()
-        agent.send_heartbeat()
-        used += time.thread_time() - started
+    gc.collect()
+    gc.disable()  # a full collection of the test process's heap (~0.2 s) is not the heartbeat's cost
+    try:
+        for k in range(beats):
+            _steps(agent, 1000 * k, 1000)  # one second of training at 1,000 steps/s
+            started = time.thread_time()
+            agent.send_heartbeat()
+            used += time.thread_time() - started
+    finally:
+        gc.enable()
     per_second_ms = 1000 * used / beats
     print(f"agent heartbeat CPU at 1,000 steps/s: {per_second_ms:.2f} ms per second")
     assert per_second_ms < 5.0  # budget 1 ms on an idle machine; loose here (shared CI machines)

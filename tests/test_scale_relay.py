@@ -159,9 +159,9 @@ def test_the_agents_own_backoff_is_jittered_and_takes_retry_after(monkeypatch):
         before = time.monotonic()
         transport._failed("down")
         delays.append(transport._next_try - before)
-    assert all(0.5 <= d <= 1.01 for d in delays) and len({round(d, 4) for d in delays}) > 1
+    assert all(0.5 <= d <= 1.05 for d in delays) and len({round(d, 4) for d in delays}) > 1
     transport._failed("busy", retry_after=20.0)
-    assert transport._next_try - time.monotonic() >= 19.9
+    assert transport._next_try - time.monotonic() >= 19.5
 
 
 def test_the_relay_keeps_the_cadence_rules_without_loading_the_collector():

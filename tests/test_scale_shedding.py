@@ -17,7 +17,7 @@ import pytest
 
 from rankwatch import wire
 from rankwatch.collector.admission import AdmissionConfig
-from rankwatch.collector.server import AsyncCollectorServer, CollectorServer
+from rankwatch.collector.server import SHED_BODY_GRACE_S, AsyncCollectorServer, CollectorServer
 from rankwatch.collector.service import Collector
 from rankwatch.config import Config
 
@@ -62,10 +62,11 @@ def test_a_collector_behind_answers_at_once_with_retry_after_and_takes_in_what_i
         with ThreadPoolExecutor(max_workers=24) as pool:
             collector._lock.acquire()  # a long tick: nothing can be taken in
             try:
-                early = [pool.submit(_post, port, _report(n)) for n in range(1, 3)]  # admitted, waiting
-                deadline = time.monotonic() + 2.0
+                early = [pool.submit(_post, port, _report(n), 10.0) for n in range(1, 3)]  # admitted, waiting
+                deadline = time.monotonic() + 10.0
                 while server.admission.inflight < 2 and time.monotonic() < deadline:
                     time.sleep(0.01)
+                assert server.admission.inflight >= 2
                 time.sleep(budget.latency_budget_s)  # the admitted ones are now older than the budget
                 late = [pool.submit(_post, port, _report(n)) for n in range(3, 23)]
                 answers = [f.result() for f in late]
@@ -74,7 +75,7 @@ def test_a_collector_behind_answers_at_once_with_retry_after_and_takes_in_what_i
             admitted = [f.result() for f in early]
         for status, headers, payload, took in answers:
             assert status == 503, (status, payload)  # not a timeout
-            assert took < 1.5, took
+            assert took < 3.0, took  # answered, not held until a timeout (twenty clients share two cores)
             assert int(headers["Retry-After"]) >= 1 and payload["interval"] >= 1
         assert [a[0] for a in admitted] == [200, 200]  # what was admitted was taken in
         run = collector.runs["busy"]
@@ -151,7 +152,7 @@ def test_a_connection_kept_after_a_shed_report_is_not_cut_off_while_idle(tmp_pat
                 for name, value in {**headers, "Content-Length": str(len(body))}.items():
                     conn.putheader(name, value)
                 conn.endheaders()  # the headers alone: the server sheds before the body comes
-                time.sleep(0.1)  # a body that comes a little later (http.client writes it apart anyway)
+                time.sleep(SHED_BODY_GRACE_S / 5)  # a body that comes a little later (http.client writes it apart anyway)
                 conn.send(body)
                 shed = conn.getresponse()
                 shed.read()
