@@ -11,6 +11,7 @@ a rank alone at a step is judged against the last step every rank reported."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from types import SimpleNamespace
 
@@ -78,3 +79,32 @@ def test_a_lone_ranks_ordinary_norms_raise_nothing():
         run.rank(0).add_step(_record(step, 1.0 + 0.3 * ((step * 7) % 11) if step % 2 == 0 else None))
         run.rank(1).add_step(_record(step, 1.0 + 0.3 * ((step * 5) % 13) if step % 8 == 0 else None))
     assert analyses.run_all(run, time.time(), True) == []
+
+
+def test_a_big_jobs_spike_is_judged_against_that_ranks_own_history():
+    """300 ranks (past the first width of the collector's ring of per-rank
+    norms): a rank whose norms run at twice its peers' is not a spike when it
+    stays there, and a 1,000x spike on another rank is named with its own
+    median from its own history, not a peer's."""
+    import random
+
+    from rankwatch.collector.analyses import grad_spike
+
+    rnd = random.Random(3)
+    run = RunState("big", 300)
+    found = grad_spike.Tracker()
+    for step in range(40):
+        ranks = list(range(300))
+        rnd.shuffle(ranks)
+        records = {r: wire.StepRecord(step=step, started_at=1.0 + step, ended_at=1.5 + step, forwards=1,
+                                      grad_norm=(2.0 if r == 17 else 1.0) * (0.9 + 0.2 * rnd.random())
+                                      * (1000.0 if (r == 250 and step == 30) else 1.0))
+                   for r in ranks}
+        for r in ranks:
+            run.rank(r)
+        found.on_step(run, step, records)
+    assert found.finding is not None and found.finding["step"] == 30
+    spike = found.finding["spiked"]
+    assert list(spike) == [250]
+    assert 0.9 <= spike[250]["own_median"] <= 1.1
+    assert 1.8 <= statistics.median(found.history.own(17)) <= 2.2 and len(found.history.own(17)) == grad_spike.HISTORY

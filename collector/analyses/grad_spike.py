@@ -36,7 +36,6 @@ steps on healthy runs of several shapes and the smallest spike still caught.
 from __future__ import annotations
 
 import collections
-import math
 import statistics
 from typing import Optional
 
@@ -45,7 +44,7 @@ import numpy as np
 from rankwatch import wire
 
 from ..state import RunState
-from .common import margins, note_margin, paced, peer_medians, ranks_text, register_tracker, settle, tracker, verdict
+from .common import margins, note_margin, peer_medians_of, ranks_text, register_tracker, settle, tracker, verdict
 
 RATIO = 10.0  # times the peers' median, the rank's own median and the run's median
 MAD_SCALE = 1.4826
@@ -65,6 +64,38 @@ EARLY_VALUES = 256
 MAX_CANDIDATES = 64  # ranks held for want of their own history, at most
 
 
+class _Histories:
+    """Each rank's last HISTORY finite norms in one (HISTORY x ranks) ring of
+    floats, a column per rank in the order ranks were first seen (a deque per
+    rank cost ~0.1 s a 100,000-rank step to append to). Only medians are
+    taken of a rank's norms, so their order in the ring does not matter."""
+
+    def __init__(self) -> None:
+        self.column: dict[int, int] = {}
+        self.values = np.zeros((HISTORY, 64))
+        self.count = np.zeros(64, np.int64)
+
+    def own(self, rank: int) -> Optional[list[float]]:
+        """The rank's norms (at most HISTORY), or None before its first."""
+        at = self.column.get(rank)
+        if at is None:
+            return None
+        return self.values[:min(int(self.count[at]), HISTORY), at].tolist()
+
+    def append(self, ranks: list[int], values: np.ndarray) -> None:
+        column = self.column
+        for rank in ranks:
+            if rank not in column:
+                column[rank] = len(column)
+        if len(column) > len(self.count):
+            width = max(len(column), 2 * len(self.count))
+            self.values = np.concatenate([self.values, np.zeros((HISTORY, width - len(self.count)))], axis=1)
+            self.count = np.concatenate([self.count, np.zeros(width - len(self.count), np.int64)])
+        at = np.fromiter(map(column.__getitem__, ranks), np.int64, len(ranks))
+        self.values[self.count[at] % HISTORY, at] = values
+        self.count[at] += 1
+
+
 class Tracker:
     """Each rank's last HISTORY finite norms, the run's window of norms and
     peers' ratios, and the first spike found. Per sealed step: one sort for
@@ -72,7 +103,7 @@ class Tracker:
     rank already beats its peers' median RATIO times (rare)."""
 
     def __init__(self) -> None:
-        self.history: dict[int, collections.deque[float]] = {}
+        self.history = _Histories()
         self.finding: Optional[dict] = None
         # The last full step's size and median: the peers' figure for a step
         # only a few ranks reported (relays at scale forward every k-th step
@@ -100,35 +131,41 @@ class Tracker:
     def on_step(self, run: RunState, step: int, records: dict[int, wire.StepRecord]) -> None:
         if self.finding is not None:
             return  # the first spike is the verdict; later ones are its consequences
-        at_step = {r: rec.grad_norm for r, rec in records.items()
-                   if rec.grad_norm is not None and math.isfinite(rec.grad_norm)}
-        if not at_step:
-            return
+        # The step in columns, in the records' order: every rank's finite norm.
+        norms = np.array([rec.grad_norm for rec in records.values()], dtype=float)  # None -> nan
+        finite = np.isfinite(norms)
+        if finite.all():
+            ranks, values = list(records), norms
+        else:
+            at = np.flatnonzero(finite)
+            if not len(at):
+                return
+            every = list(records)
+            ranks, values = [every[i] for i in at.tolist()], norms[at]
+        n = len(ranks)
         # A step few ranks reported, or one rank alone in a job of several
         # (each rank's agent samples its gradients at its own stride, so at a
         # few ranks most sampled steps have no peer): the peers' figure is the
         # last full step's median.
-        partial = 2 * len(at_step) < self.full_size or (len(at_step) == 1 and len(run.ranks) > 1)
+        partial = 2 * n < self.full_size or (n == 1 and len(run.ranks) > 1)
         if partial:
             if self.full_median is None:
                 return
-            peers = {r: self.full_median for r in at_step}
+            peers = np.full(n, self.full_median)
         else:
-            peers = peer_medians(at_step)
-            self.full_size, self.full_median = len(at_step), statistics.median(at_step.values())
+            peers = peer_medians_of(values) if n > 1 else np.zeros(0)  # a rank alone has no peers
+            self.full_size, self.full_median = n, float(np.median(values))
         # Every rank's ratio to its peers in a few array operations; only the
         # ranks beyond RATIO x their peers (rare) are looked at one by one.
-        ranks = list(peers)  # at_step's ranks in its order (none when a rank is alone)
-        ratios = np.fromiter(map(at_step.__getitem__, ranks), float, len(ranks)) / np.maximum(
-            np.fromiter(peers.values(), float, len(ranks)), 1e-12)
+        ratios = values[:len(peers)] / np.maximum(peers, 1e-12)
         spiked = {}
         held: dict[int, dict] = {}
         bound: Optional[tuple[float, Optional[float]]] = None
-        for rank in [ranks[i] for i in np.flatnonzero(ratios > RATIO * (1 - 1e-9))]:  # a superset: checked below
-            value, peer_median = at_step[rank], peers[rank]
+        for i in np.flatnonzero(ratios > RATIO * (1 - 1e-9)).tolist():  # a superset: checked below
+            rank, value, peer_median = ranks[i], float(values[i]), float(peers[i])
             if value <= RATIO * max(peer_median, 1e-12):
                 continue
-            own = self.history.get(rank)
+            own = self.history.own(rank)
             if own is None or len(own) < WARMUP:
                 if rank not in self.candidates and len(self.candidates) < MAX_CANDIDATES:
                     if bound is None:
@@ -152,9 +189,10 @@ class Tracker:
             spiked[rank] = {"grad_norm": value, "peer_median": peer_median, "own_median": own_median,
                             "ratio_to_peers": ratio, "run_median": run_median,
                             "largest_healthy_ratio": self.peak_ratio or None}
-        if not partial and len(at_step) > 1:
-            self._note_margin(run, step, at_step, peers, ranks[int(np.argmax(ratios))])
-        size = self.full_size if partial else len(at_step)
+        if not partial and n > 1:
+            top = int(np.argmax(ratios))  # the first of equals
+            self._note_margin(run, step, float(values[top]), float(peers[top]), ranks[top])
+        size = self.full_size if partial else n
         outliers = len(spiked) + len(held)
         minority = outliers < size / 2 or (size == 2 and outliers == 1)
         if spiked and minority:
@@ -169,34 +207,31 @@ class Tracker:
         if self.finding is not None:
             return
         held_now = {r for r, found in self.candidates.items() if found["step"] == step}
-        for rank, value in paced(at_step.items()):
-            if rank in held_now:
-                continue  # a candidate's norm stays out of every window
-            own = self.history.get(rank)
-            if own is None:
-                own = self.history[rank] = collections.deque(maxlen=HISTORY)
-            own.append(value)
-        kept = sorted(at_step)
-        if len(kept) > PER_STEP_KEPT:  # a big job: an even spread of its ranks, the same cost per step
-            stride = len(kept) / PER_STEP_KEPT
-            kept = [kept[int(i * stride)] for i in range(PER_STEP_KEPT)]
-        for rank in kept:
-            if rank in held_now:
+        keep = np.ones(n, bool)
+        if held_now:  # a candidate's norm stays out of every window
+            keep[[i for i, r in enumerate(ranks) if r in held_now]] = False
+            self.history.append([r for r in ranks if r not in held_now], values[keep])
+        else:
+            self.history.append(ranks, values)
+        order = sorted(range(n), key=ranks.__getitem__)
+        if n > PER_STEP_KEPT:  # a big job: an even spread of its ranks, the same cost per step
+            stride = n / PER_STEP_KEPT
+            order = [order[int(i * stride)] for i in range(PER_STEP_KEPT)]
+        for i in order:
+            if not keep[i]:
                 continue
-            self.norms.append(at_step[rank])
-            if rank in peers:
-                self.ratios.append(at_step[rank] / max(peers[rank], 1e-12))
-        if held_now:
-            ratios = ratios[[i for i, r in enumerate(ranks) if r not in held_now]]
-        if len(ratios):
-            self.peak_ratio = max(self.peak_ratio, float(ratios.max()))
+            self.norms.append(float(values[i]))
+            if len(ratios):
+                self.ratios.append(float(values[i]) / max(float(peers[i]), 1e-12))
+        if len(ratios) and keep.any():
+            self.peak_ratio = max(self.peak_ratio, float(ratios[keep].max()))
 
     def _judge_candidates(self, run: RunState, step: int) -> None:
         """Candidates whose rank now has WARMUP norms of its own after the
         candidate's step: a spike if the candidate beats that history and the
         run's median norm as a spike with history would; else dropped."""
         for rank, found in list(self.candidates.items()):
-            own = self.history.get(rank)
+            own = self.history.own(rank)
             if found["step"] >= step or own is None or len(own) < WARMUP:
                 continue
             del self.candidates[rank]
@@ -216,22 +251,20 @@ class Tracker:
             return
 
 
-    def _note_margin(self, run: RunState, step: int, at_step: dict[int, float], peers: dict[int, float],
-                     top: int) -> None:
+    def _note_margin(self, run: RunState, step: int, value: float, peer_median: float, top: int) -> None:
         """How close the step's most outlying rank came to a verdict. A spike
         must beat all three bounds (its peers, the run's median norm, its own
         history), so the margin is the smallest of its three ratios to them:
         one test alone (a rank 5x its peers on a step whose norm is ordinary
         for the run) is not half a spike. The other two are computed only
         when the peers' ratio would raise the run's margin."""
-        value = at_step[top]  # the rank of the highest ratio to its peers (the first of equals)
         ratio_bound = max(RATIO, MARGIN * self.peak_ratio, EARLY_RATIO if len(self.ratios) < EARLY_VALUES else 0.0)
-        margin = value / max(peers[top], 1e-12) / ratio_bound
+        margin = value / max(peer_median, 1e-12) / ratio_bound
         if margin <= margins(run).get("grad_spike", {}).get("margin", 0.0):
             return
         if self.norms:  # the run's median norm (one sort of the window, only on a new worst step)
             margin = min(margin, value / (RATIO * max(statistics.median(self.norms), 1e-12)))
-        own = self.history.get(top)
+        own = self.history.own(top)
         if own and len(own) >= WARMUP:
             own_median = statistics.median(own)
             own_mad = statistics.median(abs(v - own_median) for v in own) * MAD_SCALE
