@@ -8,6 +8,7 @@ steps are skipped: allocators and DataLoader workers grow then settle.
 
 from __future__ import annotations
 
+import operator
 import statistics
 from typing import Optional
 
@@ -237,6 +238,7 @@ class Tracker:
         self.findings: dict[str, dict] = {}
         self.last_step = 0
         self.cheap_worst = 0.0  # the highest O(1) margin seen: gates the robust one
+        self._last_rows: dict[str, tuple[list[int], np.ndarray]] = {}  # field -> (a step's ranks, their rows)
 
     def on_step(self, run: RunState, step: int, records: dict[int, wire.StepRecord]) -> None:
         if step < SKIP_FIRST:
@@ -247,25 +249,41 @@ class Tracker:
                     if value is not None:
                         before[rank] = float(value)
             return
-        # Per field, one walk over the ranks in a comprehension (a Python
-        # loop appending to three lists per rank and field was ~40 % of this
-        # tracker at 10,000 ranks), then the window's rows, made for new ranks.
+        # The step in columns: per field one array of every rank's value (None
+        # -> nan), and the window's rows of those ranks, reused while a step's
+        # ranks come as the last one's did (a walk per rank and field cost
+        # ~0.5 s a 100,000-rank step on a slow machine).
         self.last_step = step
-        items = list(records.items())
+        every, kept = list(records), list(records.values())
+        ats = np.array([record.ended_at for record in kept], float)
         for field, _ in FIELDS:
-            got = [(rank, value, record.ended_at) for rank, record in paced(items)
-                   if (value := getattr(record, field)) is not None]
-            if not got:
-                continue
-            ranks, values, ats = zip(*got)
-            window, before = self.series[field], self.before[field]
-            known = window.rows
-            rows = [known.get(rank, -1) for rank in ranks]
-            if -1 in rows:
-                rows = [row if row >= 0 else window.row_of(rank, before.pop(rank, None))
-                        for rank, row in zip(ranks, rows)]
-            window.add(np.array(rows, np.int64), step, np.array(values, float), np.array(ats, float))
+            values = np.array(list(map(operator.attrgetter(field), kept)), float)
+            present = ~np.isnan(values)
+            if present.all():
+                ranks = every
+            else:
+                at = np.flatnonzero(present)
+                if not len(at):
+                    continue
+                ranks, values = [every[i] for i in at.tolist()], values[at]
+            window = self.series[field]
+            window.add(self._rows(field, ranks), step, values, ats if ranks is every else ats[at])
             self._evaluate(run, field)
+
+    def _rows(self, field: str, ranks: list[int]) -> np.ndarray:
+        """The window's rows of ``ranks`` (in their order), made for new ranks."""
+        last = self._last_rows.get(field)
+        if last is not None and last[0] == ranks:
+            return last[1]
+        window, before = self.series[field], self.before[field]
+        known = window.rows
+        rows = [known.get(rank, -1) for rank in ranks]
+        if -1 in rows:
+            rows = [row if row >= 0 else window.row_of(rank, before.pop(rank, None))
+                    for rank, row in zip(ranks, rows)]
+        found = np.array(rows, np.int64)
+        self._last_rows[field] = (ranks, found)
+        return found
 
     def _margin(self, run: RunState, field: str, step: int) -> None:
         """How close a rank came: the smallest of its share of growing steps
