@@ -604,3 +604,20 @@ def test_a_big_jobs_hang_judged_by_time_alone_is_announced_without_new_data():
         t += 0.5
     assert verdict_at is not None, "the hang was never announced"
     assert verdict_at - hung_at <= timeout + hang.STALE_WAIT_S + 5.0, verdict_at - hung_at
+
+
+def test_the_unusual_records_of_a_step_are_its_non_finite_ones_whatever_else_is_missing():
+    """nonfinite's first pass over a sealed step: a missing loss is not a
+    non-finite one (both are nan in the array it counts), a huge finite loss
+    is not one either, and nan, inf and non-finite gradients are."""
+    from rankwatch.collector.analyses.nonfinite import _unusual
+
+    def rec(**fields):
+        return wire.StepRecord(step=1, started_at=T0, ended_at=T0 + 1, forwards=1, **fields)
+
+    usual = [(0, rec(loss=1.0)), (1, rec()), (2, rec(loss=1e308)), (3, rec(loss=0))]
+    assert _unusual(usual) == []
+    for bad in (rec(loss=float("nan")), rec(loss=float("-inf")), rec(loss=2.0, nonfinite_grads=3),
+                rec(nonfinite_grads=1)):
+        assert _unusual(usual + [(9, bad)] + usual) == [(9, bad)]
+    assert _unusual([]) == []
