@@ -16,6 +16,7 @@ summaries (see analyses/common.py), so a 100,000-step run costs what a
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 import threading
 import time
@@ -60,10 +61,10 @@ class Feed:
         self._items.append((kind, rank, item))
 
     def drain(self) -> list[tuple[str, int, Any]]:
-        out = []
-        for _ in range(len(self._items)):
-            out.append(self._items.popleft())
-        return out
+        # As many items as are in now, each taken by popleft (safe beside
+        # ingest threads appending), the calls made in C: a Python loop cost
+        # ~0.3 s a 100,000-rank tick on a slow machine.
+        return list(itertools.starmap(self._items.popleft, itertools.repeat((), len(self._items))))
 
     def __len__(self) -> int:
         return len(self._items)

@@ -346,39 +346,29 @@ def _settle(run, final: bool) -> None:
     on_event = [t.on_event for t in active if hasattr(t, "on_event")]
     on_mark = [t.on_mark for t in active if hasattr(t, "on_mark")]
     taken: list[tuple[int, Any]] = []
-    pending, frontier = sealer.pending, sealer.frontier
-    for i, (kind, rank, item) in enumerate(items):
-        if i % YIELD_EVERY == YIELD_EVERY - 1:
+    pending, frontier, sealed_upto = sealer.pending, sealer.frontier, sealer.sealed_upto
+    # Walked in chunks, handing the interpreter over between them; the names
+    # the step branch uses are locals (this loop runs once per record: ~1.0 s
+    # of a 100,000-rank tick's 2.3 on a slow machine).
+    take, reached = taken.append, frontier.get
+    for start in range(0, len(items), YIELD_EVERY):
+        if start:
             _yield()
-        if kind == "step":
-            step = item.step
-            if step <= sealer.sealed_upto:
-                sealer.late += 1
-                continue
-            at_step = pending.get(step)
-            if at_step is None:
-                at_step = pending[step] = {}
-            at_step[rank] = item
-            if step > frontier.get(rank, -1):
-                frontier[rank] = step
-            taken.append((rank, item))
-        elif kind == "event":
-            for hook in on_event:
-                hook(run, rank, item)
-        elif kind == "mark":
-            for hook in on_mark:
-                hook(run, rank, item)
-        elif kind == "fingerprint":
-            step = item.get("step")
-            if not isinstance(step, int) or step <= sealer.prints_sealed_upto:
-                continue
-            # One rank's prints of one step, per model (a job with two DDP models, a
-            # GAN, prints each; a rank may sample one out): each is compared
-            # with the same model's on the other ranks, never with another's.
-            model = item.get("model", 0)
-            sealer.prints.setdefault(step, {}).setdefault(model if type(model) is int else 0, {})[rank] = item
-            if step > sealer.print_frontier.get(rank, -1):
-                sealer.print_frontier[rank] = step
+        for kind, rank, item in items[start:start + YIELD_EVERY]:
+            if kind == "step":
+                step = item.step
+                if step <= sealed_upto:
+                    sealer.late += 1
+                    continue
+                at_step = pending.get(step)
+                if at_step is None:
+                    at_step = pending[step] = {}
+                at_step[rank] = item
+                if step > reached(rank, -1):
+                    frontier[rank] = step
+                take((rank, item))
+            else:
+                _settle_other(run, sealer, kind, rank, item, on_event, on_mark)
     if taken:
         # Only the newest DURATIONS_KEPT stay in the run's window: the same
         # window as noting every record, without a call per record.
@@ -393,6 +383,27 @@ def _settle(run, final: bool) -> None:
     live = [r for r in list(run.ranks) if r not in exited] if exited else list(run.ranks)
     _seal_steps(run, sealer, live, active, final)
     _seal_prints(run, sealer, live, active, final)
+
+
+def _settle_other(run, sealer: "_Sealer", kind: str, rank: int, item: Any, on_event: list, on_mark: list) -> None:
+    """An event, a collective mark or a fingerprint taken in by settle."""
+    if kind == "event":
+        for hook in on_event:
+            hook(run, rank, item)
+    elif kind == "mark":
+        for hook in on_mark:
+            hook(run, rank, item)
+    elif kind == "fingerprint":
+        step = item.get("step")
+        if not isinstance(step, int) or step <= sealer.prints_sealed_upto:
+            return
+        # One rank's prints of one step, per model (a job with two DDP models, a
+        # GAN, prints each; a rank may sample one out): each is compared
+        # with the same model's on the other ranks, never with another's.
+        model = item.get("model", 0)
+        sealer.prints.setdefault(step, {}).setdefault(model if type(model) is int else 0, {})[rank] = item
+        if step > sealer.print_frontier.get(rank, -1):
+            sealer.print_frontier[rank] = step
 
 
 def record_frontier(run) -> dict[int, int]:
