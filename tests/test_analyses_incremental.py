@@ -14,6 +14,7 @@ import threading
 import time
 import tracemalloc
 
+import numpy as np
 import pytest
 
 from rankwatch import wire
@@ -90,18 +91,15 @@ def test_same_verdicts_live_in_batches_and_offline_at_once(seed):
 
 
 def test_peer_medians_are_the_medians_of_the_others():
-    """Exactly statistics.median of the others, below and past the size
-    where they are taken in arrays (odd and even peers, ties, ranks not in
-    order), in the ranks' order."""
+    """Exactly statistics.median of the others, for odd and even peers, ties
+    and values in no order, from 2 values to a big job's."""
     rnd = random.Random(1)
-    big = common.PEER_MEDIANS_IN_ARRAYS
-    for n in [*range(2, 40), big - 1, big, big + 1, big + 2, 3 * big + 7]:
-        ranks = rnd.sample(range(10 * n), n)
-        values = {r: rnd.choice([rnd.random(), 0.5, 1.0, float(rnd.randint(0, 2))]) for r in ranks}
-        got = common.peer_medians(values)
-        assert list(got) == ranks
-        for r in values:
-            assert got[r] == statistics.median(v for k, v in values.items() if k != r)
+    for n in [*range(2, 40), 255, 256, 257, 775]:
+        values = [rnd.choice([rnd.random(), 0.5, 1.0, float(rnd.randint(0, 2))]) for _ in range(n)]
+        got = common.peer_medians_of(np.array(values)).tolist()
+        assert len(got) == n
+        for i in range(n):
+            assert got[i] == statistics.median(values[:i] + values[i + 1:])
 
 
 def test_known_faults_found_on_the_right_rank_and_step():
@@ -621,3 +619,44 @@ def test_the_unusual_records_of_a_step_are_its_non_finite_ones_whatever_else_is_
                 rec(nonfinite_grads=1)):
         assert _unusual(usual + [(9, bad)] + usual) == [(9, bad)]
     assert _unusual([]) == []
+
+
+class _Rec:
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+
+def test_the_records_taken_in_arrays_are_those_taken_one_by_one():
+    """Settle takes a chunk of records with array operations when none is late
+    or older than its rank's newest: pending steps (their ranks in arrival
+    order), frontiers, late counts and what is handed on are the same as one
+    by one, for clean feeds (of one step or many) and messy ones (late, out
+    of order, re-sent)."""
+    rnd = random.Random(3)
+    fast_paths = 0
+    for trial in range(300):
+        fast, slow = common._Sealer(), common._Sealer()
+        messy = trial % 3 == 0
+        sealed = rnd.choice([-1, 5])
+        ranks = rnd.sample(range(1000), rnd.choice([1, 8, 64, 300]))
+        frontier = {r: rnd.randint(sealed, sealed + 3) for r in ranks if rnd.random() < 0.5}
+        held = _Rec(sealed + 4)
+        for sealer in (fast, slow):
+            sealer.sealed_upto = sealed
+            sealer.frontier.update(frontier)
+            sealer.pending[sealed + 4] = {ranks[0]: held}
+        feed = []
+        for _ in range(rnd.choice([10, 63, 64, 65, 700, common.YIELD_EVERY + 300])):
+            rank = rnd.choice(ranks)
+            low = sealed - 2 if messy else max(sealed + 1, frontier.get(rank, -1))
+            one_step = trial % 3 == 1  # a big job's usual chunk: every record of one step
+            feed.append((rank, _Rec(sealed + 4 if one_step else rnd.randint(low, low + 6))))
+        got = common._take_records(fast, feed)
+        want: list = []
+        common._take_one_by_one(slow, feed, want)
+        assert got == want
+        assert [(s, list(d.items())) for s, d in sorted(fast.pending.items())] == \
+            [(s, list(d.items())) for s, d in sorted(slow.pending.items())]
+        assert fast.frontier == slow.frontier and fast.late == slow.late
+        fast_paths += not messy and len(feed) >= common.TAKE_IN_ARRAYS
+    assert fast_paths > 100
