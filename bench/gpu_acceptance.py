@@ -4,9 +4,9 @@
     python bench/gpu_acceptance.py --only hang,nan_grad --wrappers ddp
     python bench/gpu_acceptance.py --dry-run       # check the matrix and print what it would run
 
-It was written against torch's CUDA/NCCL sources (2.4-2.13). Three GPU
-sessions have run it, each on one H200 with torch 2.11.0+cu130, so world
-size 1 (``--nproc 1 --dtypes bfloat16 --plain healthy --timeout 90``):
+It was written against torch's CUDA/NCCL sources (2.4-2.13). Five GPU
+sessions have run it, each on one H200 or H100 with torch 2.11.0+cu130, so
+world size 1 (``--nproc 1 --dtypes bfloat16 --plain healthy --timeout 90``):
 
 - 2026-11-26 (DDP only): the healthy job got no verdict, no sync more than
   plain torchrun and one process on the GPU; a NaN gradient was named; a
@@ -44,6 +44,12 @@ size 1 (``--nproc 1 --dtypes bfloat16 --plain healthy --timeout 90``):
   vs watched, after the change (on an H200, the machine the next call got):
   2.87 vs 4.81 and 2.39 vs 5.23 ms, against 3.01 vs 6.85 and 2.65 vs 6.14
   on the H100 before it.
+- 2026-11-28, later, one H200 (torch 2.11.0+cu130, ``--dtypes bfloat16``):
+  16/16 as expected, every verdict on rank 0 (DDP and FSDP2: hang named at
+  31.1-31.3 s with the 30-s timeout, crash 1.2-1.9 s, nan 0.5-0.7 s, leak
+  0.7-0.9 s, oom 0.3-0.5 s; healthy and oom_caught without a verdict).
+  Median device time per step, watched vs plain: DDP 4.55 vs 2.58 ms,
+  FSDP2 10.81 vs 7.36 (the same fixed host cost per step as above).
 
 The two-rank cases (straggler, mismatch, FSDP2 across GPUs) have never run
 on GPUs. On CPU, ``--dry-run`` checks its own matrix (the job
