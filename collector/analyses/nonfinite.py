@@ -77,8 +77,10 @@ class Tracker:
             at_step[rank] = (priority, details)
 
     def on_records(self, run: RunState, records: list[tuple[int, wire.StepRecord]]) -> None:
-        for rank, record in _unusual(records):
-            self._note_record(run, rank, record)
+        if _any_unusual(list(map(_RECORD, records))):
+            for rank, record in records:
+                if _is_unusual(record):
+                    self._note_record(run, rank, record)
 
     def _note_record(self, run: RunState, rank: int, record: wire.StepRecord) -> None:
         """One record ``_unusual`` picked: its loss, its gradients or both were not finite."""
@@ -93,8 +95,10 @@ class Tracker:
                 "parameters": [], "loss": record.loss})
 
     def on_step(self, run: RunState, step: int, records: dict[int, wire.StepRecord]) -> None:
-        for rank, record in _unusual(list(records.items())):  # a GPU rank fills its loss a step late
-            self._note_record(run, rank, record)
+        if _any_unusual(list(records.values())):  # a GPU rank fills its loss a step late
+            for rank, record in records.items():
+                if _is_unusual(record):
+                    self._note_record(run, rank, record)
         if self.dead is None:
             self._judge_dead(run, step, records)
 
@@ -135,20 +139,22 @@ class Tracker:
 _LOSS, _GRADS, _RECORD = operator.attrgetter("loss"), operator.attrgetter("nonfinite_grads"), operator.itemgetter(1)
 
 
-def _unusual(records: list) -> list:
-    """The (rank, record) pairs whose gradients or loss are not finite. The
-    usual answer, none, comes from C-speed walks and one array (a missing
-    loss and a non-finite one are both nan there, so their counts are
-    compared); only a step with one walks its records in Python
-    (``x - x`` is 0.0 for a finite float, nan otherwise). A walk per record
-    cost ~0.15 s a 100,000-rank step on a slow machine."""
-    kept = list(map(_RECORD, records))
-    losses = list(map(_LOSS, kept))
-    if (not any(map(_GRADS, kept))
-            and int(np.count_nonzero(~np.isfinite(np.array(losses, float)))) == losses.count(None)):
-        return []
-    return [(rank, record) for rank, record in records
-            if record.nonfinite_grads or ((loss := record.loss) is not None and loss - loss != 0.0)]
+def _any_unusual(records: list) -> bool:
+    """Whether any record's gradients or loss are not finite. The usual
+    answer, no, comes from C-speed walks and one array (a missing loss and a
+    non-finite one are both nan there, so their counts are compared); only a
+    step with one walks its records in Python (`_is_unusual`). A walk per
+    record cost ~0.15 s a 100,000-rank step on a slow machine, and a
+    (rank, record) pair per record ~20 ms more."""
+    losses = list(map(_LOSS, records))
+    return (any(map(_GRADS, records))
+            or int(np.count_nonzero(~np.isfinite(np.array(losses, float)))) != losses.count(None))
+
+
+def _is_unusual(record: wire.StepRecord) -> bool:
+    """Non-finite gradients, or a loss that is not finite (``x - x`` is 0.0
+    for a finite float, nan otherwise)."""
+    return bool(record.nonfinite_grads) or ((loss := record.loss) is not None and loss - loss != 0.0)
 
 
 register_tracker("nonfinite", Tracker)
