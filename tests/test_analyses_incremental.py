@@ -477,7 +477,7 @@ def test_memory_windows_of_many_ranks_hold_each_ranks_last_points():
     for step in range(WINDOW + 30):
         ranks = [r for r in range(300) if step >= r % 50]  # some ranks join late
         values = rng.integers(0, 4, len(ranks)).astype(float) * (1 << 20)
-        rows = [window.row_of(r, -1.0 if r % 2 else None) for r in ranks]
+        rows = window.rows_of(ranks, {r: -1.0 for r in ranks if r % 2})
         window.add(np.array(rows), step, values, np.full(len(ranks), 1000.0 + step))
         for r, v in zip(ranks, values):
             history.setdefault(r, []).append((step, float(v), 1000.0 + step))
