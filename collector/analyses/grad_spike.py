@@ -74,6 +74,7 @@ class _Histories:
         self.column: dict[int, int] = {}
         self.values = np.zeros((HISTORY, 64))
         self.count = np.zeros(64, np.int64)
+        self._last: Optional[tuple[list[int], np.ndarray]] = None  # (a step's ranks, their columns)
 
     def own(self, rank: int) -> Optional[list[float]]:
         """The rank's norms (at most HISTORY), or None before its first."""
@@ -83,6 +84,17 @@ class _Histories:
         return self.values[:min(int(self.count[at]), HISTORY), at].tolist()
 
     def append(self, ranks: list[int], values: np.ndarray) -> None:
+        at = self._columns(ranks)
+        self.values[self.count[at] % HISTORY, at] = values
+        self.count[at] += 1
+
+    def _columns(self, ranks: list[int]) -> np.ndarray:
+        """The columns of ``ranks`` (distinct), made for new ranks; reused
+        while a step's ranks come as the last one's did (a lookup per rank
+        cost ~35 ms a 100,000-rank step on a slow machine)."""
+        last = self._last
+        if last is not None and last[0] == ranks:
+            return last[1]
         column = self.column
         for rank in ranks:
             if rank not in column:
@@ -92,8 +104,8 @@ class _Histories:
             self.values = np.concatenate([self.values, np.zeros((HISTORY, width - len(self.count)))], axis=1)
             self.count = np.concatenate([self.count, np.zeros(width - len(self.count), np.int64)])
         at = np.fromiter(map(column.__getitem__, ranks), np.int64, len(ranks))
-        self.values[self.count[at] % HISTORY, at] = values
-        self.count[at] += 1
+        self._last = (ranks, at)
+        return at
 
 
 class Tracker:
@@ -213,10 +225,10 @@ class Tracker:
             self.history.append([r for r in ranks if r not in held_now], values[keep])
         else:
             self.history.append(ranks, values)
-        order = sorted(range(n), key=ranks.__getitem__)
+        order = np.argsort(np.array(ranks, np.int64), kind="stable")  # by rank (a sort in C)
         if n > PER_STEP_KEPT:  # a big job: an even spread of its ranks, the same cost per step
-            stride = n / PER_STEP_KEPT
-            order = [order[int(i * stride)] for i in range(PER_STEP_KEPT)]
+            order = order[(np.arange(PER_STEP_KEPT) * (n / PER_STEP_KEPT)).astype(np.int64)]
+        order = order.tolist()
         for i in order:
             if not keep[i]:
                 continue
