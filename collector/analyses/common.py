@@ -517,11 +517,16 @@ def peer_medians_of(given: np.ndarray) -> np.ndarray:
     for all (O(n log n)), not one median per element (O(n^2)): dropping one
     value from the sorted array leaves a median that depends only on where
     that value sits (before or after the middle), so all of them come from a
-    few array operations. Same numbers as statistics.median over the others."""
+    few array operations. Same numbers as statistics.median over the others.
+    Where each value sits comes from the sort's own order (a binary search
+    per value cost ~3x the sort); of equal values any copy may be the one
+    dropped, as the rest are the same numbers."""
     m = len(given) - 1
     half = m // 2
-    ordered = np.sort(given)
-    at = np.searchsorted(ordered, given, "left")  # drop one copy of this rank's value
+    order = np.argsort(given)
+    ordered = given[order]
+    at = np.empty(len(given), np.int64)
+    at[order] = np.arange(len(given))  # where each value sits in the sorted array
     hi = np.where(half < at, ordered[half], ordered[half + 1])
     if not m % 2:
         hi = (np.where(half - 1 < at, ordered[half - 1], ordered[half]) + hi) / 2
