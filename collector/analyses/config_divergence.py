@@ -139,6 +139,8 @@ class Tracker:
                 if every_lr:
                     self.agreed[(group, "lr")] = f"{records[ranks[0]].lr:.6g}"
             groups = []
+        elif optimizers == {None}:
+            groups = []  # no rank fingerprints its optimizer: nothing to compare (not a walk of every rank)
         for ranks in groups:
             optim = {r: records[r].optim_fp for r in ranks if records[r].optim_fp is not None}
             lrs = {r: records[r].lr for r in optim if records[r].lr is not None}
