@@ -51,12 +51,15 @@ def mark_window(world_size: int) -> int:
 
 class Feed:
     """What arrived since the analyses last looked: per kind ("step",
-    "event", "mark", "fingerprint"), (rank, item) in arrival order. Appended
-    under the ingest lock, drained by the analysis thread without it (deque
-    append/popleft are atomic). A queue per kind: settle takes a kind's items
-    in batches (array operations, C-speed dict updates), not one by one."""
+    "event", "mark", "fingerprint", and "nonfinite": the step records whose
+    loss or gradients are not finite, also queued as "step"), (rank, item)
+    in arrival order. Appended under the ingest lock, drained by the analysis
+    thread without it (deque append/popleft are atomic). A queue per kind:
+    settle takes a kind's items in batches (array operations, C-speed dict
+    updates), not one by one, and no pass over every record looks for the
+    rare non-finite one: ingest picked it already."""
 
-    KINDS = ("step", "event", "mark", "fingerprint")
+    KINDS = ("step", "event", "mark", "fingerprint", "nonfinite")
 
     def __init__(self) -> None:
         self._queues: dict[str, collections.deque[tuple[int, Any]]] = {k: collections.deque() for k in self.KINDS}
@@ -65,9 +68,10 @@ class Feed:
         self._queues[kind].append((rank, item))
 
     def drain(self) -> dict[str, list[tuple[int, Any]]]:
-        """Each kind's items, the step records first: an event, mark or
-        fingerprint always arrives before its rank's later records, so every
-        one older than a drained record is drained with it."""
+        """Each kind's items, the step records first: an event, mark,
+        fingerprint or non-finite record is put before its rank's later
+        records (a non-finite one before itself as a "step"), so every one
+        older than a drained record is drained with it."""
         return {kind: _drain(queue) for kind, queue in self._queues.items()}
 
     def __len__(self) -> int:
@@ -286,9 +290,10 @@ class RankState:
                 self.steps.popitem(last=False)
         if self.last_record is None or record.step >= self.last_record.step:
             self.last_record = record
-        if record.nonfinite_grads or (record.loss is not None and record.loss != record.loss) or (
-                record.loss is not None and abs(record.loss) == float("inf")):
+        if record.nonfinite():
             self.nonfinite_steps += 1
+            if self.feed is not None:  # put first: settle drains the records, then these (Feed.drain)
+                self.feed.put("nonfinite", self.rank, record)
         if self.feed is not None:
             self.feed.put("step", self.rank, record)
 

@@ -97,6 +97,12 @@ class StepRecord:
     optim_fp: Optional[int] = None
     lr: Optional[float] = None
 
+    def nonfinite(self) -> bool:
+        """Its local gradients or its loss are not finite (NaN/Inf: the
+        signal). ``x - x`` is 0.0 for a finite number, nan otherwise."""
+        loss = self.loss
+        return bool(self.nonfinite_grads) or (loss is not None and loss - loss != 0.0)
+
 
 @dataclass(slots=True)
 class CollectiveMark:

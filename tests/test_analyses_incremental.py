@@ -604,27 +604,39 @@ def test_a_big_jobs_hang_judged_by_time_alone_is_announced_without_new_data():
     assert verdict_at - hung_at <= timeout + hang.STALE_WAIT_S + 5.0, verdict_at - hung_at
 
 
-def test_the_unusual_records_of_a_step_are_its_non_finite_ones_whatever_else_is_missing():
-    """nonfinite's first pass over a sealed step: a missing loss is not a
-    non-finite one (both are nan in the array it counts), a huge finite loss
-    is not one either, and nan, inf and non-finite gradients are."""
-    from rankwatch.collector.analyses.nonfinite import _any_unusual, _is_unusual
+def test_the_records_ingest_picks_as_non_finite_are_those_whatever_else_is_missing():
+    """nonfinite reads only the records ingest picked (RankState.add_step):
+    a missing loss is not a non-finite one, a huge finite or integer loss is
+    not either, and nan, inf and non-finite gradients are; each picked
+    record reaches the check once, when settle takes it, and not when late."""
 
-    def rec(**fields):
-        return wire.StepRecord(step=1, started_at=T0, ended_at=T0 + 1, forwards=1, **fields)
+    def rec(step, **fields):
+        return wire.StepRecord(step=step, started_at=T0 + step, ended_at=T0 + step + 1, forwards=1, **fields)
 
-    def unusual(pairs):
-        records = [record for _, record in pairs]
-        found = [(rank, record) for rank, record in pairs if _is_unusual(record)]
-        assert _any_unusual(records) == bool(found)  # the C-speed pass agrees with the walk
-        return found
+    usual = [rec(1, loss=1.0), rec(1), rec(1, loss=1e308), rec(1, loss=0)]
+    assert not any(r.nonfinite() for r in usual)
+    bad = [rec(1, loss=float("nan")), rec(1, loss=float("-inf")), rec(1, loss=2.0, nonfinite_grads=3),
+           rec(1, nonfinite_grads=1)]
+    assert all(r.nonfinite() for r in bad)
 
-    usual = [(0, rec(loss=1.0)), (1, rec()), (2, rec(loss=1e308)), (3, rec(loss=0))]
-    assert unusual(usual) == []
-    for bad in (rec(loss=float("nan")), rec(loss=float("-inf")), rec(loss=2.0, nonfinite_grads=3),
-                rec(nonfinite_grads=1)):
-        assert unusual(usual + [(9, bad)] + usual) == [(9, bad)]
-    assert unusual([]) == []
+    run = RunState(run_id="nf", world_size=8)
+    seen = []
+    nonfinite = common.tracker(run, "nonfinite")
+    real = nonfinite.on_nonfinite
+    nonfinite.on_nonfinite = lambda run, records: (seen.extend(records), real(run, records))
+    for rank, record in enumerate(usual + bad):
+        run.rank(rank).add_step(record)
+    for rank in range(8):
+        for step in (2, 3, 4, 5):
+            run.rank(rank).add_step(rec(step, loss=1.0))
+    common.settle(run)
+    assert seen == [(4 + i, r) for i, r in enumerate(bad)]
+    assert set(analyses.nonfinite._bad_steps(run)[1]) == {4, 5, 6, 7}
+    assert run.trackers["_sealer"].sealed_upto >= 1
+    run.rank(0).steps.clear()  # a late non-finite record of a sealed step (from a bundle): not taken
+    run.rank(0).add_step(rec(1, loss=float("nan")))
+    common.settle(run)
+    assert len(seen) == 4 and run.trackers["_sealer"].late == 1
 
 
 class _Rec:

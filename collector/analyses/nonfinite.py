@@ -19,10 +19,7 @@ step, or a run of them, is never counted here. What happens then is
 from __future__ import annotations
 
 import math
-import operator
 from typing import Any, Optional
-
-import numpy as np
 
 from rankwatch import wire
 
@@ -76,14 +73,12 @@ class Tracker:
         if known is None or priority > known[0]:
             at_step[rank] = (priority, details)
 
-    def on_records(self, run: RunState, records: list[tuple[int, wire.StepRecord]]) -> None:
-        if _any_unusual(list(map(_RECORD, records))):
-            for rank, record in records:
-                if _is_unusual(record):
-                    self._note_record(run, rank, record)
+    def on_nonfinite(self, run: RunState, records: list[tuple[int, wire.StepRecord]]) -> None:
+        for rank, record in records:
+            self._note_record(run, rank, record)
 
     def _note_record(self, run: RunState, rank: int, record: wire.StepRecord) -> None:
-        """One record ``_unusual`` picked: its loss, its gradients or both were not finite."""
+        """One record ingest picked: its loss, its gradients or both were not finite."""
         bad_loss = record.loss is not None and not math.isfinite(record.loss)
         if bad_loss:
             self.bad_loss.setdefault(record.step, set()).add(rank)
@@ -95,13 +90,13 @@ class Tracker:
                 "parameters": [], "loss": record.loss})
 
     def on_step(self, run: RunState, step: int, records: dict[int, wire.StepRecord]) -> None:
-        # Each of these records was looked at by on_records when settle took
-        # it, and it has not changed since: a record comes to the analyses
-        # once (a re-sent one stops at RankState.add_step), and a GPU rank's
-        # agent holds a step's record until its loss is read (or sends it
-        # without one when held too long: agent/watch/progress.py). So only
-        # the whole step is judged here; a second walk of 100,000 records
-        # cost ~0.1 s a step on a slow machine.
+        # Each non-finite record of this step came to on_nonfinite when
+        # settle took it, and no record changes after: a record comes to the
+        # analyses once (a re-sent one stops at RankState.add_step), and a GPU
+        # rank's agent holds a step's record until its loss is read (or sends
+        # it without one when held too long: agent/watch/progress.py). So only
+        # the whole step is judged here; a walk of 100,000 records cost ~0.1 s
+        # a step on a slow machine.
         if self.dead is None:
             self._judge_dead(run, step, records)
 
@@ -137,27 +132,6 @@ class Tracker:
             s.best = max(s.best, s.length)
             if s.best >= REPEATED_SKIPS:
                 self.repeated.add(rank)
-
-
-_LOSS, _GRADS, _RECORD = operator.attrgetter("loss"), operator.attrgetter("nonfinite_grads"), operator.itemgetter(1)
-
-
-def _any_unusual(records: list) -> bool:
-    """Whether any record's gradients or loss are not finite. The usual
-    answer, no, comes from C-speed walks and one array (a missing loss and a
-    non-finite one are both nan there, so their counts are compared); only a
-    step with one walks its records in Python (`_is_unusual`). A walk per
-    record cost ~0.15 s a 100,000-rank step on a slow machine, and a
-    (rank, record) pair per record ~20 ms more."""
-    losses = list(map(_LOSS, records))
-    return (any(map(_GRADS, records))
-            or int(np.count_nonzero(~np.isfinite(np.array(losses, float)))) != losses.count(None))
-
-
-def _is_unusual(record: wire.StepRecord) -> bool:
-    """Non-finite gradients, or a loss that is not finite (``x - x`` is 0.0
-    for a finite float, nan otherwise)."""
-    return bool(record.nonfinite_grads) or ((loss := record.loss) is not None and loss - loss != 0.0)
 
 
 register_tracker("nonfinite", Tracker)
