@@ -165,8 +165,8 @@ class Tracker:
         if len(records) != len(run.ranks) or len(records) < 2:
             return
         ranks = np.fromiter(records, np.int64, len(records))
-        kept = list(records.values())
-        own = np.array(list(map(_COMPUTE_S, kept)), dtype=float)  # None -> nan (read in C: ~10 ms less a 100,000-rank step)
+        kept = list(records.values())  # read by attrgetter: ~10 ms less a 100,000-rank step than a comprehension
+        own = np.array(list(map(_COMPUTE_S, kept)), dtype=float)  # None -> nan
         if np.isnan(own).any():  # a rank without its own time: the step is not comparable
             return
         order = np.argsort(ranks, kind="stable")
