@@ -40,9 +40,11 @@ class AdmissionConfig:
 
 
 class Admission:
-    def __init__(self, config: Optional[AdmissionConfig] = None, cadence: Callable[[], Optional[float]] = lambda: None):
+    def __init__(self, config: Optional[AdmissionConfig] = None, cadence: Callable[[], Optional[float]] = lambda: None,
+                 on_shed: Callable[[], None] = lambda: None):
         self.config = config or AdmissionConfig()
         self._cadence = cadence
+        self._on_shed = on_shed  # told of each report turned away (the hang watch must know: analyses/hang.py)
         self._lock = threading.Lock()
         self._inflight: "collections.OrderedDict[int, float]" = collections.OrderedDict()  # ticket -> admitted at
         self._next_ticket = 0
@@ -63,6 +65,7 @@ class Admission:
             behind = oldest is not None and now - oldest > self.config.latency_budget_s
             if behind or len(self._inflight) >= self.slots:
                 self.shed += 1
+                self._on_shed()
                 return None
             ticket = self._next_ticket
             self._next_ticket += 1

@@ -300,7 +300,7 @@ class CollectorServer:
         # Admission only when asked (`collector serve`): the embedded collector
         # serves one node's handful of agents, and a relay's server (no
         # collector) takes its node's beats on loopback; nothing to shed there.
-        self.admission = Admission(admission, collector_cadence(collector)) \
+        self.admission = Admission(admission, collector_cadence(collector), collector.note_refused) \
             if collector is not None and admission is not None else None
         self.httpd = _Server((host, port), _make_handler(self.routes, self.admission))
         self.httpd.max_connections = max_connections
@@ -430,7 +430,7 @@ class AsyncCollectorServer:
         self.collector = collector
         self.token = token
         self.routes = Routes(collector, token, metrics_handler, metrics_open)
-        self.admission = Admission(admission, collector_cadence(collector))
+        self.admission = Admission(admission, collector_cadence(collector), collector.note_refused)
         # Ingest runs on one thread of its own, so the loop always answers:
         # a report waiting for the collector (a tick holding its lock) never
         # stops the next one from being admitted or shed.

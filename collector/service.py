@@ -110,6 +110,7 @@ class Collector:
         self._thread: Optional[threading.Thread] = None
         self.bundles_received = 0
         self.bundles_rejected = 0
+        self.refused_at = 0.0  # when a report was last turned away unread (note_refused)
         self.on_verdict: list[Callable[[str, wire.Verdict], None]] = []
         if self.config.grafana_url:
             from rankwatch.outputs.grafana import Annotator
@@ -406,6 +407,11 @@ class Collector:
             raise RequestError(f"bundle not stored: {exc.strerror or exc}", 507) from None
         return path
 
+    def note_refused(self) -> None:
+        """A report was turned away unread (the server's admission control
+        sheds load while the collector is behind). O(1): called per report."""
+        self.refused_at = time.time()
+
     # -- live monitoring -----------------------------------------------------------------
     def tick(self, now: float) -> None:
         """Hang watch and analyses of every run, each isolated from the others:
@@ -434,6 +440,7 @@ class Collector:
             rt.budget.review(now)
 
     def _watch_and_analyse(self, run: RunState, rt: _RunRuntime, now: float) -> None:
+        run.reports_refused_at = self.refused_at  # any run's ranks may have been among those turned away
         with self._lock:
             if not run.finished:
                 self._watch_for_hang(run, now)

@@ -377,6 +377,10 @@ class RunState:
     # it was made when a backlog is being delivered (after an outage).
     last_progress_arrived_at: float = field(default_factory=time.time)
     orphan_evidence: list[RankEvidence] = field(default_factory=list)
+    # When the collector last turned a report away unread (it sheds load while
+    # behind: admission.py), on its clock; 0: never. A rank not heard from
+    # since may be the collector's doing, not the rank's (analyses/hang.py).
+    reports_refused_at: float = 0.0
     # Running summaries, kept up to date as records arrive (never a rescan).
     max_step: int = 0
     ranks_reported: int = 0

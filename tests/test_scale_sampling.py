@@ -315,6 +315,26 @@ def test_a_big_jobs_hang_asks_only_its_suspects_and_is_named_before_the_evidence
 WORLD, CULPRIT = 2048, 1234
 
 
+def _stalled_node_report(node: int, now: float, sent: float, seq: int, ahead_of_culprit: bool) -> wire.NodeReport:
+    """Node `node`'s relay report (see _stalled_big_job): its ranks at step 50
+    since a minute ago, in collective #151 since 45 s ago if `ahead_of_culprit`."""
+    entered = now - 45
+    ranks = range(node * 8, node * 8 + 8)
+    workers = [wire.WorkerStatus(local_rank=r % 8, rank=r, pid=1000 + r) for r in ranks]
+    beats = []
+    for r in ranks:
+        ahead = ahead_of_culprit and r != CULPRIT  # the culprit never enters
+        beats.append(wire.Heartbeat(
+            identity=wire.RankIdentity(run_id="big", rank=r, local_rank=r % 8, world_size=WORLD, node_rank=node,
+                                       host=f"n{node}", pid=1000 + r),
+            sent_at=sent, seq=seq, step=50, forwards=50, phase="backward" if ahead else "forward",
+            last_progress_at=entered if ahead else now - 60,
+            collectives_enqueued={"0": 150 + ahead}, collectives_completed={"0": 150}))
+    view = wire.NodeHeartbeat(run_id="big", host=f"n{node}", node_rank=node, world_size=WORLD, sent_at=sent,
+                              workers=workers)
+    return wire.NodeReport(node=view, heartbeats=beats)
+
+
 def _stalled_big_job(c: Collector, now: float, late: int, delay: tuple[float, float]):
     """WORLD ranks in nodes of 8 through relays, a beat a second: all at step
     50 a minute ago; 45 s ago every rank but CULPRIT entered collective #151,
@@ -323,20 +343,7 @@ def _stalled_big_job(c: Collector, now: float, late: int, delay: tuple[float, fl
     entered = now - 45
 
     def report(node: int, sent: float, seq: int, ahead_of_culprit: bool) -> wire.NodeReport:
-        ranks = range(node * 8, node * 8 + 8)
-        workers = [wire.WorkerStatus(local_rank=r % 8, rank=r, pid=1000 + r) for r in ranks]
-        beats = []
-        for r in ranks:
-            ahead = ahead_of_culprit and r != CULPRIT  # the culprit never enters
-            beats.append(wire.Heartbeat(
-                identity=wire.RankIdentity(run_id="big", rank=r, local_rank=r % 8, world_size=WORLD, node_rank=node,
-                                           host=f"n{node}", pid=1000 + r),
-                sent_at=sent, seq=seq, step=50, forwards=50, phase="backward" if ahead else "forward",
-                last_progress_at=entered if ahead else now - 60,
-                collectives_enqueued={"0": 150 + ahead}, collectives_completed={"0": 150}))
-        view = wire.NodeHeartbeat(run_id="big", host=f"n{node}", node_rank=node, world_size=WORLD, sent_at=sent,
-                                  workers=workers)
-        return wire.NodeReport(node=view, heartbeats=beats)
+        return _stalled_node_report(node, now, sent, seq, ahead_of_culprit)
 
     for node in range(WORLD // 8):
         took = delay if node == late else (0.005, 0.01)
@@ -389,6 +396,79 @@ def test_a_big_job_whose_culprits_node_is_not_heard_since_the_stall_waits_then_n
     node = list(range(CULPRIT // 8 * 8, CULPRIT // 8 * 8 + 8))
     assert found is not None and found.ranks == node, found and found.summary
     assert found.evidence["not_heard_since_stall"] and "not heard from since the stall began" in found.summary
+    c.stop()
+
+
+def _unheard_since_the_stall(run, now: float, nodes) -> set[int]:
+    """The ranks of `nodes` as if their reports since the stall were shed:
+    last heard (and last vouched for) half a second before their ranks
+    entered the collective, every one behind as all were then."""
+    ranks = {r for n in nodes for r in range(n * 8, n * 8 + 8)}
+    for r in ranks:
+        state = run.ranks[r]
+        state.beat_at = state.last_heartbeat_at = state.vouched_at = now - 45.5
+        state.enqueued = {"0": 150}
+    return ranks
+
+
+def test_ranks_unheard_while_the_collector_turns_reports_away_are_waited_for_not_named():
+    """At 100,000 ranks on a slow machine the collector took in a ninth of
+    the reports offered and shed the rest unread (503). Once the wait for
+    fresher numbers was over, the ranks not heard since the stall, whose last
+    numbers were behind as every rank's were before it, were named: ten
+    bystanders, the culprit's report not yet in. Not being heard while the
+    collector turns reports away says nothing of a rank: the diagnosis waits,
+    names the culprit once its node's report gets in, and falls back to the
+    unheard ranks only once nothing is refused and their relays' longest
+    pause has passed."""
+    c = Collector(Config(hang_timeout=20, on_hang="wait"))
+    now = time.time()
+    run = _stalled_big_job(c, now, late=CULPRIT // 8, delay=(0.005, 0.01))
+    unheard = _unheard_since_the_stall(run, now, [CULPRIT // 8, *range(0, 40)])  # ~16 % of the ranks
+    c.tick(now)
+    incident = next(i for i in run.incidents if i.kind == "hang")
+    late = incident.opened_at + hang.STALE_WAIT_S + 0.1
+    run.reports_refused_at = late - 0.5  # still shedding
+    assert hang.diagnose(run, incident, late, final=False) is None
+
+    # Long after the last refusal, the relays' longest pause over: those still
+    # unheard are named, hedged ("not heard from since"), the culprit among them.
+    quiet = late + 120.0
+    run.reports_refused_at = late
+    found = hang.diagnose(run, incident, quiet, final=False)
+    assert found is not None and set(found.ranks) == unheard, found and found.summary
+    assert "not heard from since the stall began" in found.summary
+    assert found.evidence["unheard_ranks"]["unknown"] == 0
+
+    # The culprit's node gets in while others are still turned away: named alone.
+    run.trackers.pop("_hang_diagnoses")
+    run.reports_refused_at = late + 1.0
+    sent = late + 0.5
+    c.ingest_node_report(_stalled_node_report(CULPRIT // 8, now, sent, int(sent - (now - 70)), True),
+                         now=sent + 0.01, arrived_at=sent + 0.005)
+    found = hang.diagnose(run, incident, late + 1.5, final=False)
+    assert found is not None and found.ranks == [CULPRIT], found and found.summary
+    assert "never reached collective #151" in found.summary
+    c.stop()
+
+
+def test_a_rank_whose_node_reports_without_its_beats_is_named_while_others_are_turned_away():
+    """A rank whose heartbeat thread stopped with it, its node's reports
+    coming in without a beat of it: that silence is the rank's own, named
+    however many other ranks the collector is still turning away."""
+    c = Collector(Config(hang_timeout=20, on_hang="wait"))
+    now = time.time()
+    run = _stalled_big_job(c, now, late=-1, delay=(0.005, 0.01))
+    _unheard_since_the_stall(run, now, range(0, 40))
+    culprit = run.ranks[CULPRIT]
+    culprit.beat_at = culprit.last_heartbeat_at = now - 46  # its last beat; its node vouched for it a second ago
+    c.tick(now)
+    incident = next(i for i in run.incidents if i.kind == "hang")
+    late = incident.opened_at + hang.STALE_WAIT_S + 0.1
+    run.reports_refused_at = late - 0.5
+    found = hang.diagnose(run, incident, late, final=False)
+    assert found is not None and found.ranks == [CULPRIT], found and found.summary
+    assert "sent no heartbeat since the stall began though its node reported" in found.summary
     c.stop()
 
 

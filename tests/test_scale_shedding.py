@@ -80,6 +80,11 @@ def test_a_collector_behind_answers_at_once_with_retry_after_and_takes_in_what_i
         assert [a[0] for a in admitted] == [200, 200]  # what was admitted was taken in
         run = collector.runs["busy"]
         assert set(run.ranks) == set(range(24))
+        # The hang watch is told that reports were turned away: their ranks'
+        # silence since is the collector's doing (analyses/hang.py).
+        assert 0 < time.time() - collector.refused_at < 30
+        collector.tick(time.time())
+        assert run.reports_refused_at == collector.refused_at
         assert _post(port, _report(7))[0] == 200  # caught up: admitted again
     finally:
         server.stop()

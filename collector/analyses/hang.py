@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from rankwatch import wire
+from rankwatch.cadence import backoff_cap, node_report_interval
 from rankwatch.config import Config
 
 from ..evidence import RankEvidence, fill_source
@@ -172,7 +173,10 @@ def _diagnose(run: RunState, incident: Incident, evidence: dict[int, RankEvidenc
                 # "no rank stands out" would name every rank.
                 if not waited:
                     return None
-                culprits, reason = _behind_unheard(seqs, fresh, live, details)
+                found = _behind_unheard(run, incident, seqs, fresh, live, details, now, final)
+                if found is None:
+                    return None  # some of them may still report (their relays paused, or turned away)
+                culprits, reason = found
             if not culprits and len(fresh) < FRESH_SHARE * len(live) and not final:
                 # Too few ranks heard since the stall (a collector far behind,
                 # relays shed and backing off) for "no rank stands out": with
@@ -364,31 +368,74 @@ def _behind_in_collectives(seqs: dict[int, Optional[dict[str, int]]], live: list
     return sorted(behind), f"never reached collective #{seq} of process group {pg}"
 
 
-def _behind_unheard(seqs: dict[int, Optional[dict[str, int]]], fresh: list[int], live: list[int],
-                    details: dict[str, Any]) -> tuple[list[int], str]:
+def _behind_unheard(run: RunState, incident: Incident, seqs: dict[int, Optional[dict[str, int]]],
+                    fresh: list[int], live: list[int], details: dict[str, Any], now: float,
+                    final: bool) -> Optional[tuple[list[int], str]]:
     """Big jobs, once waiting for fresher numbers is over: the ranks not heard
     since the stall began whose last numbers were behind the collective every
-    rank heard since has reached (when they are a minority). Their last beat
-    predates the stall, so the reason says so: some may have entered since."""
+    rank heard since has reached (when they are a minority). None: wait.
+
+    Every such rank's last numbers predate the stall, so they are behind as
+    every rank's were then; not being heard since is what tells, and it
+    tells only when the rank could have been heard:
+    - *silent*: its node reported since the stall began, vouching for it,
+      without a beat of it for the incident's `stale_after_s` (its heartbeat
+      thread stopped). Named at once.
+    - *lost*: nothing of it arrived for longer than its relay's longest
+      pause between tries and a cadence (`cadence.backoff_cap`), while the
+      collector turned no report away (`RunState.reports_refused_at`).
+    - otherwise *unknown*: its node's report may be on its way, or was one
+      the collector shed unread while behind (at 100,000 ranks on a slow
+      machine it took in a ninth of what was offered, and this rule named ten
+      bystanders before the culprit's report got in). While any rank is
+      unknown the verdict waits, unless the job has ended: each node report
+      taken in makes its ranks fresh, so the wait ends.
+    The reason says they were not heard from since: some may have entered."""
     top = _front(seqs, fresh)
     heard = set(fresh)
-    behind, waiting_at = [], {}
+    since = incident.last_progress_at
+    limit = incident.details.get("stale_after_s")
+    stale_after = limit if isinstance(limit, (int, float)) else STALE_HEARTBEAT_S
+    cadence = node_report_interval(run.world_size or len(run.ranks), incident.timeout or 20.0) or ASSUMED_BEAT_S
+    pause = backoff_cap(cadence) + cadence
+    nothing_refused = now - run.reports_refused_at > pause
+    silent: list[int] = []
+    lost: list[int] = []
+    unknown: list[int] = []
+    waiting_at: dict[str, int] = {}
     for r in live:
         last = seqs.get(r)
         if r in heard or not last:
             continue
         lagging = [pg for pg, seq in last.items() if pg in top and seq < top[pg]]
-        if lagging:
-            behind.append(r)
-            waiting_at.setdefault(lagging[0], top[lagging[0]])
+        if not lagging:
+            continue
+        state = run.ranks[r]
+        if state.vouched_at > since and state.silent_for(now) > stale_after:
+            silent.append(r)
+        elif nothing_refused and now - state.last_heartbeat_at > pause:
+            lost.append(r)
+        else:
+            unknown.append(r)
+        waiting_at.setdefault(lagging[0], top[lagging[0]])
+    if silent and 2 * len(silent) < len(live):
+        behind, kind = silent, "silent"
+    elif (unknown or silent) and not final:
+        return None  # reports still to come, or most ranks silent at once (not one culprit)
+    else:
+        behind, kind = sorted(silent + lost + unknown), "unheard"
     if not behind or 2 * len(behind) >= len(live):
         return [], ""
     details["waiting_at"] = waiting_at
     details["not_heard_since_stall"] = True
+    details["unheard_ranks"] = {"silent": len(silent), "lost": len(lost), "unknown": len(unknown),
+                                "refused_at": run.reports_refused_at or None}
     pg, seq = next(iter(waiting_at.items()))
-    return sorted(behind), (f"{verb(behind, 'was', 'were')} not heard from since the stall began, and "
-                            f"{verb(behind, 'its', 'their')} last numbers had not reached collective #{seq} of "
-                            f"process group {pg}, which every rank heard from since has reached")
+    how = (f"{verb(behind, 'has', 'have')} sent no heartbeat since the stall began though "
+           f"{verb(behind, 'its', 'their')} node reported (a stopped heartbeat thread)" if kind == "silent"
+           else f"{verb(behind, 'was', 'were')} not heard from since the stall began")
+    return sorted(behind), (f"{how}, and {verb(behind, 'its', 'their')} last numbers had not reached collective "
+                            f"#{seq} of process group {pg}, which every rank heard from since has reached")
 
 
 def _in_flight(run: RunState, rank: int, ev: Optional[RankEvidence]) -> bool:
