@@ -718,6 +718,8 @@ async def run_load(url: str, job: Job, mode: str, history: int, measure: float, 
                 verdict = v
                 result["hang_verdict_after_s"] = time.time() - frozen_at
                 result["hang_ranks"] = v["ranks"][:10]
+                result["hang_ranks_total"] = len(v["ranks"])
+                result["hang_summary"] = v.get("summary", "")[:300]  # why those ranks: the rule that named them
                 break
     if verdict is None:
         result["hang_verdict_after_s"] = None
@@ -807,7 +809,8 @@ def _line(r: dict[str, Any]) -> str:
             f"tick p50 {_fmt(r.get('tick_p50_s'), '.3f')} p99 {_fmt(r.get('tick_p99_s'), '.3f')} s "
             f"(max {_fmt(r['tick_max_s'], '.3f')}), generator CPU "
             f"{r['generator_cpu']:.2f} core, hang verdict after {_fmt(r['hang_verdict_after_s'], '.1f')} s "
-            f"(deadline {r['hang_deadline_s']:g}), ranks {r.get('hang_ranks')} (culprit {r['culprit']})"
+            f"(deadline {r['hang_deadline_s']:g}), ranks {r.get('hang_ranks')} of {r.get('hang_ranks_total')} "
+            f"(culprit {r['culprit']}): {r.get('hang_summary')!r}"
             + (f", outage {r['outage_s']:g} s: {r['recovered_nodes']} nodes back, all after "
                f"{_fmt(r['all_back_after_s'], '.1f')} s, largest report {r['largest_report_bytes_in_outage']} B"
                if r.get("outage_s") else "")
