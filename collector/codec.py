@@ -459,7 +459,10 @@ if _msgspec is not None:
         details: _msgspec.Raw = _msgspec.Raw(b"{}")  # checked by wire's decoder once per distinct text
 
     class _TypedBeat(_msgspec.Struct, forbid_unknown_fields=True, gc=False):
-        identity: _TypedIdentity
+        # The identity and the step columns as their text: the same from a
+        # rank's every beat, so each distinct text is checked once
+        # (_typed_identity, _known_columns), not decoded per beat.
+        identity: _msgspec.Raw
         sent_at: _Time
         version: Annotated[int, _Meta(ge=0, le=wire.WIRE_VERSION)] = 1
         seq: _Count = 0
@@ -470,7 +473,7 @@ if _msgspec is not None:
         last_progress_at: _Time = 0.0
         collectives_enqueued: _Seqs = {}
         collectives_completed: _Seqs = {}
-        step_columns: list[str] = []
+        step_columns: _msgspec.Raw = _msgspec.Raw(b"[]")
         step_rows: Annotated[list[_Row], _List] = []
         marks: Annotated[list[_TypedMark], _List] = []
         steps: Annotated[list[Any], _List] = []  # older agents: wire's decoder
@@ -510,14 +513,23 @@ if _msgspec is not None:
         heartbeats: Annotated[list[_TypedBeat], _List] = []
 
     _typed_report_decode = _msgspec.json.Decoder(_TypedReport).decode
+    _typed_identity_decode = _msgspec.json.Decoder(_TypedIdentity).decode
+    _columns_decode = _msgspec.json.Decoder(list[str]).decode
     _typed_errors = (_msgspec.DecodeError, RecursionError, UnicodeDecodeError)
     _typed_identities: dict[Any, wire.RankIdentity] = {}
 
 
-def _typed_identity(d) -> wire.RankIdentity:
-    cached = _typed_identities.get(d)
+def _typed_identity(raw) -> wire.RankIdentity:
+    text = bytes(raw)
+    cached = _typed_identities.get(text)
     if cached is not None:
         return cached
+    try:
+        d = _typed_identity_decode(text)
+    except _msgspec.ValidationError:
+        raise _Slow from None
+    except _typed_errors:
+        raise _Slow from None
     if d.rank >= d.world_size or d.local_rank >= d.world_size or d.node_rank >= d.world_size:
         raise _Slow
     host = d.host
@@ -531,8 +543,25 @@ def _typed_identity(d) -> wire.RankIdentity:
     identity = _RankIdentity(d.run_id, d.rank, d.local_rank, d.world_size, d.node_rank, host, d.pid, d.attempt)
     if len(_typed_identities) >= 1_100_000:
         _typed_identities.clear()
-    _typed_identities[d] = identity
+    _typed_identities[text] = identity
     return identity
+
+
+_known_columns: dict[bytes, bool] = {}  # step_columns text -> whether it is this reader's STEP_COLUMNS
+
+
+def _columns_match(raw) -> bool:
+    text = bytes(raw)
+    known = _known_columns.get(text)
+    if known is None:
+        try:
+            known = _columns_decode(text) == _STEP_COLUMNS
+        except (_msgspec.ValidationError, *_typed_errors):
+            raise _Slow from None
+        if len(_known_columns) >= 1_000:
+            _known_columns.clear()
+        _known_columns[text] = known
+    return known
 
 
 _event_details: dict[tuple[str, bytes], dict] = {}
@@ -565,7 +594,7 @@ def _typed_events(events) -> list[wire.Event]:
 def _typed_beat(b) -> wire.Heartbeat:
     steps: list = []
     if b.step_rows:
-        if b.step_columns != _STEP_COLUMNS:
+        if not _columns_match(b.step_columns):
             raise _Slow
         steps = [_StepRecord(*row) for row in b.step_rows]
     if b.steps:
