@@ -519,17 +519,21 @@ if _msgspec is not None:
     _typed_identities: dict[Any, wire.RankIdentity] = {}
 
 
+def _typed_decode(decode, raw: bytes):
+    """`decode(raw)` on the typed road: anything it refuses goes to the road
+    that checks field by field and names the error (raises _Slow)."""
+    try:
+        return decode(raw)
+    except (_msgspec.ValidationError, *_typed_errors):
+        raise _Slow from None
+
+
 def _typed_identity(raw) -> wire.RankIdentity:
     text = bytes(raw)
     cached = _typed_identities.get(text)
     if cached is not None:
         return cached
-    try:
-        d = _typed_identity_decode(text)
-    except _msgspec.ValidationError:
-        raise _Slow from None
-    except _typed_errors:
-        raise _Slow from None
+    d = _typed_decode(_typed_identity_decode, text)
     if d.rank >= d.world_size or d.local_rank >= d.world_size or d.node_rank >= d.world_size:
         raise _Slow
     host = d.host
@@ -554,10 +558,7 @@ def _columns_match(raw) -> bool:
     text = bytes(raw)
     known = _known_columns.get(text)
     if known is None:
-        try:
-            known = _columns_decode(text) == _STEP_COLUMNS
-        except (_msgspec.ValidationError, *_typed_errors):
-            raise _Slow from None
+        known = _typed_decode(_columns_decode, text) == _STEP_COLUMNS
         if len(_known_columns) >= 1_000:
             _known_columns.clear()
         _known_columns[text] = known
@@ -636,12 +637,7 @@ def _typed_node(n) -> wire.NodeHeartbeat:
 
 def _typed_node_report(raw: bytes) -> wire.NodeReport:
     """The typed road; raises _Slow when the report is not of the common shape."""
-    try:
-        report = _typed_report_decode(raw)
-    except _msgspec.ValidationError:
-        raise _Slow from None
-    except _typed_errors:
-        raise _Slow from None
+    report = _typed_decode(_typed_report_decode, raw)
     node = report.node
     return wire.NodeReport(
         node=None if node is None else _typed_node(node),
