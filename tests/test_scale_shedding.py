@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import http.client
 import json
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from rankwatch import wire
 from rankwatch.collector.admission import AdmissionConfig
 from rankwatch.collector.server import SHED_BODY_GRACE_S, AsyncCollectorServer, CollectorServer
 from rankwatch.collector.service import Collector
