@@ -50,6 +50,16 @@ world size 1 (``--nproc 1 --dtypes bfloat16 --plain healthy --timeout 90``):
   0.7-0.9 s, oom 0.3-0.5 s; healthy and oom_caught without a verdict).
   Median device time per step, watched vs plain: DDP 4.55 vs 2.58 ms,
   FSDP2 10.81 vs 7.36 (the same fixed host cost per step as above).
+- 2026-11-28, evening, one H200 (torch 2.11.0+cu130, ``--dtypes bfloat16``):
+  16/16 as expected, every verdict on rank 0 (hang 31.2 s with the 30-s
+  timeout, crash 1.0-2.3 s, nan 0.5-1.2 s, leak 1.1-1.2 s, oom 0.1-0.2 s).
+  Median step, watched vs plain: DDP 4.52 vs 2.43 ms, FSDP2 11.45 vs 7.42.
+  bench/gpu_step_profile.py then put the watched step's four copies to the
+  host at ~0.2 ms of host time each (a pinned allocation, a copy, an event,
+  a current-stream lookup); a step's reads now go as one copy
+  (DeferredReads.flush). After it (``--only healthy,nan_grad``): 4/4, no
+  sync added; DDP 4.68 vs 2.75 ms (within the run-to-run spread of the
+  added ~2 ms), FSDP2 8.45 vs 6.60.
 
 The two-rank cases (straggler, mismatch, FSDP2 across GPUs) have never run
 on GPUs. On CPU, ``--dry-run`` checks its own matrix (the job

@@ -29,7 +29,8 @@ Three implementations:
   calls do on a GPU. On a GPU it ran only at world size 1, on one H200
   (torch 2.11.0+cu130; bench/gpu_acceptance.py's DDP and FSDP2 cases in
   float32 and bfloat16, and bench/gpu_stream_stall.py for the stream
-  calls, 2026-11-27); never across GPUs.
+  calls, 2026-11-27; the staged reads of `DeferredReads.flush`, 2026-11-28);
+  never across GPUs.
 - `GpuLikeDouble`: a test double that makes CPU tensors behave as device
   tensors of one rank: events complete only after later work was issued (or
   after a latency), copies become readable only when their event completes,
@@ -63,6 +64,7 @@ class HostDevice:
     """CPU tensors: synchronous work; an event is a host timestamp."""
 
     name = "cpu"
+    batches_reads = False  # a read is a finished tensor already: nothing to launch, so nothing to save
 
     def device_of(self, tensor: torch.Tensor) -> torch.device:
         return tensor.device
@@ -108,6 +110,10 @@ class HostDevice:
 class AcceleratorDevice:
     """CUDA/ROCm, XPU...: torch's device-generic calls where the installed
     torch has them. Ran on one GPU only (see the module docstring)."""
+
+    # Each copy to the host is a pinned allocation, a copy launch and an
+    # event: a step's reads go as one (DeferredReads.flush).
+    batches_reads = True
 
     def __init__(self, device_type: str) -> None:
         self.name = device_type
@@ -361,6 +367,7 @@ class GpuLikeDouble:
     more than ``queue_s`` ahead of it."""
 
     name = "double"
+    batches_reads = True  # as AcceleratorDevice: a step's reads staged, then one copy
 
     def __init__(self, device: int = 0, current: int = 0, lag: int = 2, latency_s: float = 0.25,
                  slowdown: float = 1.0, extra_s: float = 0.0, peer_slowdown: float = 0.0,
@@ -638,16 +645,25 @@ def _flat_float32(values: list[torch.Tensor]) -> torch.Tensor:
     return flat if flat.dtype == torch.float32 else flat.float()
 
 
+# Staged reads issued as one copy at most this many at a time (a job whose
+# steps never end still gets its values back, this many submissions late).
+STAGE_LIMIT = 32
+
+
 class DeferredReads:
-    """Device values -> host values without blocking: a submission is one
-    concatenation (a device op), one non-blocking copy to host memory and an
-    event (`submit`), or a pair of events whose elapsed device time is
-    wanted (`submit_spans`); `poll` hands each completed one to its
-    consumer, in order. Bounded: past ``limit`` pending reads the oldest is
-    given up (its consumer gets None), so a device that stops making
-    progress costs a fixed amount of memory. Call from the training thread
-    only (a query from another thread during a graph capture would
-    invalidate it)."""
+    """Device values -> host values without blocking: a submission snapshots
+    its values into one flat float32 vector at once (`submit`: a device op,
+    in stream order, so later in-place changes never reach it); on a device
+    whose copies are launches (``batches_reads``) the step's snapshots are
+    staged and go to host memory as one concatenation, one non-blocking copy
+    and one event (`flush`, at the step's end), not one of each per
+    submission; on the host (synchronous: nothing to save) each is read at
+    once. A pair of events whose elapsed device time is wanted goes through
+    `submit_spans`. `poll` hands each completed read to its consumer(s), in
+    order. Bounded: past ``limit`` pending reads the oldest is given up (its
+    consumers get None), so a device that stops making progress costs a
+    fixed amount of memory. Call from the training thread only (a query from
+    another thread during a graph capture would invalidate it)."""
 
     def __init__(self, limit: int = 64) -> None:
         self.limit = limit
@@ -655,6 +671,9 @@ class DeferredReads:
         self.pending: collections.deque[tuple[Any, Any, Callable[[], Any], Callable[[Any], None]]] = \
             collections.deque()
         self.given_up = 0
+        # Snapshots waiting for `flush`: one device's, in submission order.
+        self._staged: list[tuple[torch.Tensor, Consume]] = []
+        self._staged_on: Optional[tuple[Any, torch.device]] = None
 
     def submit(self, values: list[torch.Tensor], consume: Consume) -> bool:
         """``values``: scalars and vectors, read as one flat list of floats
@@ -663,10 +682,41 @@ class DeferredReads:
         if not values:
             return False
         adapter = for_tensor(values[0])
-        if adapter.capturing(adapter.device_of(values[0])):
+        device = adapter.device_of(values[0])
+        if adapter.capturing(device):
             consume(None)
             return False
-        copied = adapter.to_host(_flat_float32(values))
+        flat = _flat_float32(values)
+        if not getattr(adapter, "batches_reads", False):
+            return self._copy(adapter, flat, consume)
+        if self._staged and self._staged_on != (adapter, device):
+            self.flush()
+        self._staged.append((flat, consume))
+        self._staged_on = (adapter, device)
+        if len(self._staged) >= STAGE_LIMIT:
+            self.flush()
+        return True
+
+    def flush(self) -> None:
+        """Issue the staged snapshots: one concatenation, one copy, one
+        event; each consumer later gets its own slice. Left staged during a
+        graph capture (the next flush issues them)."""
+        if not self._staged or self._staged_on is None:
+            return
+        adapter, device = self._staged_on
+        if adapter.capturing(device):
+            return
+        staged, self._staged = self._staged, []
+        if len(staged) == 1:
+            self._copy(adapter, staged[0][0], staged[0][1])
+            return
+        sizes = [flat.numel() for flat, _ in staged]  # shape metadata: no device read
+        consumers = [consume for _, consume in staged]
+        self._copy(adapter, torch.cat([flat for flat, _ in staged]),
+                   lambda values: _hand_out(values, sizes, consumers))
+
+    def _copy(self, adapter: Any, flat: torch.Tensor, consume: Consume) -> bool:
+        copied = adapter.to_host(flat)
         if copied is None:
             consume(None)
             return False
@@ -704,7 +754,19 @@ class DeferredReads:
         return done
 
     def give_up(self) -> None:
-        """At exit: what has not completed is not waited for."""
+        """At exit: what has not completed is not waited for (in order: the
+        copies issued, then what was still staged)."""
         while self.pending:
             consume = self.pending.popleft()[3]
             consume(None)
+        staged, self._staged = self._staged, []
+        for _, consume in staged:
+            consume(None)
+
+
+def _hand_out(values: Optional[list[float]], sizes: list[int], consumers: list[Consume]) -> None:
+    """One staged copy's floats, back to each submission's consumer in order."""
+    at = 0
+    for size, consume in zip(sizes, consumers):
+        consume(None if values is None else values[at:at + size])
+        at += size

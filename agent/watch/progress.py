@@ -476,6 +476,7 @@ class Progress:
                 self.reads.submit(tensors, done)
             else:
                 done([])
+        self.reads.flush()  # the step's staged device reads, as one copy to the host
         self.recent.append(record)
         with self._held_lock:
             self._held.append(held)
@@ -637,6 +638,7 @@ class Progress:
             self._compiled_step_seen()
         deadline = time.monotonic() + grace_s
         try:
+            self.reads.flush()
             while self.reads.pending and time.monotonic() < deadline:
                 self.reads.poll()
                 if self.reads.pending:
