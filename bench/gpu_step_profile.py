@@ -20,10 +20,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import io
-import os
 import pstats
 import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
