@@ -524,7 +524,7 @@ def _typed_decode(decode, raw: bytes):
     that checks field by field and names the error (raises _Slow)."""
     try:
         return decode(raw)
-    except (_msgspec.ValidationError, *_typed_errors):
+    except _typed_errors:  # DecodeError covers msgspec's ValidationError
         raise _Slow from None
 
 

@@ -21,7 +21,7 @@ from rankwatch.bundles import Bundle, BundleError, repack, unpack
 from rankwatch.redact import redact_obj
 from rankwatch import config as config_mod
 from rankwatch.config import Config
-from rankwatch.cadence import backoff_cap, node_report_interval
+from rankwatch.cadence import longest_relay_silence, node_report_interval
 from rankwatch.outputs import report as report_output
 
 from . import analyses, ingest, report as report_mod, stuck
@@ -537,9 +537,10 @@ class Collector:
         coming: the collector's resumption after it did not run, or the
         opening of a hang incident whose stall ended on progress made before
         it opened (the relays could not reach the collector). Bounded by the
-        relays' longest pause between tries (`cadence.backoff_cap`) and one
-        cadence more: a rank not heard from by then is judged on what is known."""
-        bound = backoff_cap(cadence) + cadence
+        relays' longest pause between tries and one cadence more
+        (`cadence.longest_relay_silence`): a rank not heard from by then is
+        judged on what is known."""
+        bound = longest_relay_silence(cadence)
         if now < self._resumed_at + bound:
             return self._resumed_at
         last = next((i for i in reversed(run.incidents) if i.kind == "hang"), None)

@@ -31,3 +31,10 @@ def node_report_interval(world_size: int, hang_timeout: float = 20.0) -> Optiona
 def backoff_cap(interval: float) -> float:
     """The longest pause after failures for a relay at this cadence."""
     return max(interval, min(MAX_BACKOFF_S, BACKOFF_CADENCES * interval))
+
+
+def longest_relay_silence(interval: float) -> float:
+    """How long a live relay at this cadence can go unheard: its longest
+    pause between tries and one cadence more. Past it, its ranks are judged
+    on what is known (the collector's backlog and hang rules)."""
+    return backoff_cap(interval) + interval

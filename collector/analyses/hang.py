@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from rankwatch import wire
-from rankwatch.cadence import backoff_cap, node_report_interval
+from rankwatch.cadence import longest_relay_silence, node_report_interval
 from rankwatch.config import Config
 
 from ..evidence import RankEvidence, fill_source
@@ -382,7 +382,7 @@ def _behind_unheard(run: RunState, incident: Incident, seqs: dict[int, Optional[
       without a beat of it for the incident's `stale_after_s` (its heartbeat
       thread stopped). Named at once.
     - *lost*: nothing of it arrived for longer than its relay's longest
-      pause between tries and a cadence (`cadence.backoff_cap`), while the
+      pause between tries and a cadence (`cadence.longest_relay_silence`), while the
       collector turned no report away (`RunState.reports_refused_at`).
     - otherwise *unknown*: its node's report may be on its way, or was one
       the collector shed unread while behind (at 100,000 ranks on a slow
@@ -397,7 +397,7 @@ def _behind_unheard(run: RunState, incident: Incident, seqs: dict[int, Optional[
     limit = incident.details.get("stale_after_s")
     stale_after = limit if isinstance(limit, (int, float)) else STALE_HEARTBEAT_S
     cadence = node_report_interval(run.world_size or len(run.ranks), incident.timeout or 20.0) or ASSUMED_BEAT_S
-    pause = backoff_cap(cadence) + cadence
+    pause = longest_relay_silence(cadence)
     nothing_refused = now - run.reports_refused_at > pause
     silent: list[int] = []
     lost: list[int] = []
