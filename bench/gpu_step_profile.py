@@ -12,7 +12,10 @@ thread's time per step inside rankwatch's own code (tottime of functions in
 its files, divided by the steps) and the top entries of the watched run by
 own time and by cumulative time among rankwatch's functions. cProfile slows
 what it profiles, most of all code of many small calls: read its figures as
-shares, the unprofiled medians (the first two runs) as the cost.
+shares, the unprofiled medians (the first two runs) as the cost. Per-step
+figures are totals over the run divided by its steps, so a function called
+once a step also carries its one-time costs (the first launch of a kernel
+loads it): trust them for what is called many times a step.
 """
 
 from __future__ import annotations

@@ -147,6 +147,23 @@ def test_staged_reads_are_bounded_and_given_up_at_exit(gpu):
     assert got == [None] * (device_mod.STAGE_LIMIT + 3) and not reads.pending and not reads._staged
 
 
+def test_a_failed_copy_of_staged_reads_hands_none_to_each_and_raises(gpu):
+    """A device in error (the copy raises, as CUDA does after a fault): no
+    consumer is left waiting for values that will never come."""
+    reads = device_mod.DeferredReads()
+    got = []
+    for i in range(3):
+        reads.submit([torch.tensor(float(i))], got.append)
+
+    def broken(tensor):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    gpu.to_host = broken
+    with pytest.raises(RuntimeError):
+        reads.flush()
+    assert got == [None, None, None] and not reads._staged and not reads.pending
+
+
 def test_the_cpu_adapter_reads_at_once():
     got = []
     device_mod.DeferredReads().submit([torch.tensor(1.5)], got.append)

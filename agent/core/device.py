@@ -716,7 +716,11 @@ class DeferredReads:
                    lambda values: _hand_out(values, sizes, consumers))
 
     def _copy(self, adapter: Any, flat: torch.Tensor, consume: Consume) -> bool:
-        copied = adapter.to_host(flat)
+        try:
+            copied = adapter.to_host(flat)
+        except Exception:
+            consume(None)  # a device in error (a crash's exit): nothing waits for these values
+            raise
         if copied is None:
             consume(None)
             return False
