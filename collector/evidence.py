@@ -80,6 +80,9 @@ class RankEvidence:
     members: list[str] = field(default_factory=list)
     snapshot: Optional[dict[str, Any]] = None  # CUDA memory snapshot summary
     profile: Optional[dict[str, Any]] = None  # torch.profiler per-op summary
+    # The supervisor's bundle (the outside view) is in: on its own, or merged
+    # into the agent's. A rank that was silent when asked is judged on it.
+    outside_seen: bool = False
 
     @property
     def main_stack(self) -> list[dict[str, Any]]:
@@ -93,7 +96,7 @@ def from_bundle(bundle: Bundle) -> RankEvidence:
     m = bundle.manifest
     ev = RankEvidence(rank=m.rank, reason=m.reason, created_at=m.created_at, source=m.source, host=m.host,
                       step=m.step, bundle_path=bundle.source_path, notes=list(m.notes),
-                      members=list(m.members))
+                      members=list(m.members), outside_seen=m.source != "agent")
     stacks = bundle.get("stacks.json")
     if isinstance(stacks, list):
         ev.stacks = [t for t in stacks if isinstance(t, dict)]

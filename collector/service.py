@@ -570,12 +570,20 @@ class Collector:
         # answer: the supervisor takes their native and faulthandler stacks.
         stale_after = hang.STALE_HEARTBEATS * self.config.heartbeat_interval
         stale = {r for r in wanted if r in run.ranks and run.ranks[r].silent_for(incident.opened_at) > stale_after}
+        outside = []
         for key, node in run.nodes.items():
             ranks = [w.rank for w in node.workers if w.rank in wanted]
             if ranks:
                 rt.node_commands.setdefault(key, []).append(
                     wire.Command(kind="capture", incident=incident.id, reason=reason, ranks=ranks,
                                  details={"stale": [r for r in ranks if r in stale]}))
+                outside += [r for r in ranks if r in stale]
+        if outside:
+            # Their outside view, taken while they were silent, is what shows a
+            # freeze; the stack signal may end it, and the agent's own bundle,
+            # sent after, shows where the rank went next. Waited for (within
+            # the window), whichever arrives first.
+            incident.details["outside_for"] = sorted(outside)
         self.store.save_incident(run.run_id, incident)
         log.info("run %s: %s incident %s opened; evidence requested from %s",
                  run.run_id, reason, incident.id, ranks_text(incident.requested_ranks))
@@ -641,8 +649,9 @@ class Collector:
             if incident.ready and not incident.details.get("abort_pending"):
                 continue
             have = run.evidence_for(incident.id)
-            complete = all(r in have and (have[r].source == "agent"
-                                          or run.ranks[r].silent_for(incident.opened_at) > stale_after)
+            outside = set(incident.details.get("outside_for") or ())
+            complete = all(r in have and (r not in outside or have[r].outside_seen)
+                           and (have[r].source == "agent" or run.ranks[r].silent_for(incident.opened_at) > stale_after)
                            for r in incident.requested_ranks)
             window_over = complete or now >= incident.deadline
             if not incident.ready:
@@ -992,6 +1001,7 @@ def merge_evidence(a: RankEvidence, b: RankEvidence) -> RankEvidence:
         if not merged.stacks:
             merged.stacks = outside.stacks
         merged.notes = merged.notes + outside.notes
+        merged.outside_seen = merged.outside_seen or outside.outside_seen
         if inside.source != "agent":
             merged.source = outside.source
     return merged

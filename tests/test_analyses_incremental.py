@@ -680,3 +680,73 @@ def test_the_records_taken_in_arrays_are_those_taken_one_by_one():
         assert fast.frontier == slow.frontier and fast.late == slow.late
         fast_paths += not messy and len(feed) >= common.TAKE_IN_ARRAYS
     assert fast_paths > 100
+
+
+def test_a_frozen_rank_whose_own_bundle_comes_before_its_supervisors_is_still_named_frozen(tmp_path):
+    """Rank 1 freezes in C code holding the GIL (its heartbeat thread stops
+    too). The supervisor's stack signal ends the C call: the rank goes on,
+    beats, and its agent answers the dump request before the supervisor's
+    own bundle (the outside view, taken while it was frozen) arrives, as a
+    loaded machine orders them now and then. The incident waits for that
+    view: the hang is named on rank 1, frozen. Closed on the agent's bundle
+    alone, the rank looked merely slow and the stall "ended by itself"; the
+    job went on with no verdict (CI, 2026-11-28)."""
+    from rankwatch.bundles import pack
+
+    n, timeout, frozen = 3, 8.0, 1
+    c = Collector(config=Config(hang_timeout=timeout, evidence_window=5.0), data_dir=tmp_path)
+    run_id = "frozen"
+    workers = [wire.WorkerStatus(local_rank=r, rank=r, pid=1000 + r) for r in range(n)]
+
+    def node(t: float) -> wire.NodeHeartbeat:
+        return wire.NodeHeartbeat(run_id=run_id, host="node0", node_rank=0, world_size=n, sent_at=t, workers=workers)
+
+    def bundle(r: int, t: float, source: str, members: dict) -> bytes:
+        manifest = wire.BundleManifest(run_id=run_id, rank=r, local_rank=r, world_size=n, host="node0",
+                                       pid=1000 + r, step=6, created_at=t, reason="hang", incident="hang-1",
+                                       source=source)
+        return pack(manifest, members)
+
+    hung_at, t, opened_at = T0 + 6.0, T0, None
+    while opened_at is None and t < hung_at + 3 * timeout:
+        c.ingest_node(node(t), t)
+        for r in range(n):
+            if r == frozen and t >= hung_at:
+                continue  # frozen: its heartbeat thread too
+            hb = heartbeat(run_id, r, n, int(min(t, hung_at) - T0), [], t, last_progress_at=min(t, hung_at))
+            if t >= hung_at:
+                hb.collectives_enqueued = {"0": int(hung_at - T0) + 1}  # the peers wait in the next collective
+            c.ingest_heartbeat(hb, t)
+        c.tick(t)
+        if c.runs[run_id].incidents:
+            opened_at = t
+        t += 0.5
+    assert opened_at is not None, "no incident opened"
+    capture = [cmd for cmds in c._runtime(run_id).node_commands.values() for cmd in cmds if cmd.kind == "capture"]
+    assert capture and capture[0].details["stale"] == [frozen], capture
+
+    # The stack signal ended the C call: rank 1 beats again, with progress,
+    # and every agent's bundle is in before the supervisor's.
+    resumed = opened_at + 0.5
+    for r in range(n):
+        c.ingest_heartbeat(heartbeat(run_id, r, n, int(hung_at - T0) + 1, [], resumed, last_progress_at=resumed),
+                           resumed)
+        main = {"main": True, "owns_gil": r == frozen,
+                "frames": [{"file": "train.py", "line": 40 if r == frozen else 31, "name": "<module>", "code": ""}]}
+        c.ingest_bundle(bundle(r, resumed, "agent", {"stacks.json": [main]}), now=resumed)
+    c.tick(resumed)
+    outside = ('Current thread 0x00007f0000000001 (most recent call first):\n'
+               '  File "train.py", line 22 in native_update\n'
+               '  File "train.py", line 33 in <module>\n')
+    c.ingest_bundle(bundle(frozen, resumed + 1.0, "supervisor", {"faulthandler.txt": outside}), now=resumed + 1.0)
+    t = resumed + 1.0
+    while t < resumed + 10.0:
+        c.ingest_node(node(t), t)
+        c.tick(t)
+        t += 0.5
+    run = c.runs[run_id]
+    hangs = [v for v in c.status()["runs"][run_id]["verdicts"] if v["kind"] == "hang"]
+    assert [i.details.get("ended_at") for i in run.incidents] == [None], [i.details for i in run.incidents]
+    assert len(hangs) == 1 and hangs[0]["ranks"] == [frozen], hangs
+    assert "frozen in its own code" in hangs[0]["summary"], hangs[0]["summary"]
+    c.stop()
