@@ -1,14 +1,16 @@
 """Where rankwatch's host time per step goes on a GPU: the acceptance job's
-healthy step, watched and plain, each under cProfile (the main thread, where
-the agent's hooks run), one GPU.
+healthy step, watched and plain, each under cProfile, one GPU. On Python
+3.11 and older cProfile sees only the main thread (where the agent's hooks
+run); from 3.12, built on sys.monitoring, it sees every thread, so the
+agent's heartbeat and reader threads are in the figures too.
 
     python bench/gpu_step_profile.py                   # DDP, bfloat16, 400 steps
     python bench/gpu_step_profile.py --wrapper fsdp2 --steps 300
     python bench/gpu_step_profile.py --cpu             # the same on 1 CPU rank (gloo): checks the script
 
 It prints, per run, the median step time (device time between CUDA events,
-which for this host-bound job is the host's time per step), the main
-thread's time per step inside rankwatch's own code (tottime of functions in
+which for this host-bound job is the host's time per step), the profiled
+time per step inside rankwatch's own code (tottime of functions in
 its files, divided by the steps) and the top entries of the watched run by
 own time and by cumulative time among rankwatch's functions. cProfile slows
 what it profiles, most of all code of many small calls: read its figures as
@@ -40,8 +42,9 @@ def _acceptance():
     return module
 
 
-def _ours(filename: str) -> bool:
-    """A frame of rankwatch's own code (editable or installed)."""
+def _package_roots() -> tuple[str, ...]:
+    """Where rankwatch's own code lies (editable or installed): the agent and
+    the collector are packages of their own in an editable checkout."""
     import rankwatch
 
     roots = {str(Path(rankwatch.__file__).resolve().parent.parent)}
@@ -51,8 +54,13 @@ def _ours(filename: str) -> bool:
             roots.add(str(Path(module.__file__).resolve().parent))
         except Exception:
             pass
+    return tuple(roots)
+
+
+def _ours(filename: str, roots: tuple[str, ...]) -> bool:
+    """A frame of rankwatch's own code."""
     path = str(Path(filename).resolve()) if filename and not filename.startswith("<") else ""
-    return any(path.startswith(root) for root in roots) and "/bench/" not in path
+    return path.startswith(roots) and "/bench/" not in path
 
 
 def main(argv=None) -> int:
@@ -79,7 +87,6 @@ def main(argv=None) -> int:
             "watched": [sys.executable, "-m", "rankwatch.cli", "run", "--run-dir", str(Path(tmp) / "run"),
                         "--nproc-per-node", "1"],
         }
-        medians = {}
         for profiled in (False, True):
             for name, cmd in launch.items():
                 prof = out / f"{name}.prof"
@@ -89,20 +96,20 @@ def main(argv=None) -> int:
                 code, text, seconds = acc.run(cmd + tail, env, 300.0)
                 found = re.search(r"STEP_MEDIAN (\S+)", text)
                 label = f"{name}{' (cProfile)' if profiled else ''}"
-                medians[label] = float(found.group(1)) if found else None
-                step = f"{medians[label] * 1e3:.3f} ms" if found else "n/a (CPU run or job failed)"
+                step = f"{float(found.group(1)) * 1e3:.3f} ms" if found else "n/a (CPU run or job failed)"
                 print(f"[gpu_step_profile] {label}: exit {code} in {seconds:.0f} s, median step {step}", flush=True)
                 if code != 0:
                     print(text[-3000:])
+        roots = _package_roots()
         for name in launch:
             prof = out / f"{name}.prof"
             if not prof.exists():
                 print(f"[gpu_step_profile] {name}: no profile written")
                 continue
             stats = pstats.Stats(str(prof))
-            ours = {k: v for k, v in stats.stats.items() if _ours(k[0])}
+            ours = {k: v for k, v in stats.stats.items() if _ours(k[0], roots)}
             own = sum(v[2] for v in ours.values())
-            print(f"[gpu_step_profile] {name}: main thread in rankwatch's code {own * 1e3 / a.steps:.3f} ms per step "
+            print(f"[gpu_step_profile] {name}: in rankwatch's code {own * 1e3 / a.steps:.3f} ms per step "
                   f"(cProfile'd; {len(ours)} functions, of {stats.total_tt:.2f} s profiled in all)")
             if name != "watched":
                 continue
