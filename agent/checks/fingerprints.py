@@ -193,7 +193,6 @@ class Fingerprinter:
     # -- step end (training thread) --------------------------------------------------
     @guarded("fingerprints")
     def _on_step_end(self, record: StepRecord) -> None:
-        self.reader.poll()
         # record.step just completed: fingerprint the weights it produced.
         if (record.step + 1) % self.interval:
             return
@@ -361,7 +360,6 @@ class OptimizerFingerprinter:
 
     @guarded("fingerprints.optimizer")
     def _on_step_end(self, record: StepRecord) -> None:
-        self.reader.poll()
         interval = self.every * self.multiplier
         if not self.started or not self._active() or record.step == 0 or (record.step + 1) % interval:
             return

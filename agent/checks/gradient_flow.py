@@ -64,7 +64,6 @@ class GradientFlow:
 
     @guarded("gradient_flow")
     def _on_step_end(self, record: StepRecord) -> None:
-        self.reader.poll()
         if self.handles and record.step + 1 >= WATCH_STEPS:
             for handle in self.handles:
                 handle.remove()

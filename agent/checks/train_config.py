@@ -429,7 +429,6 @@ class TrainConfig:
 
     @guarded("train_config.step")
     def _on_step_end(self, record: StepRecord) -> None:
-        self.reader.poll()
         record.optim_fp, record.lr = self.optimizer_digest()
         if not self.models.discovered:
             return

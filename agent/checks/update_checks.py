@@ -257,7 +257,6 @@ class UpdateChecks:
     # -- step end ---------------------------------------------------------------------------------
     @guarded("update_checks.step")
     def _on_step_end(self, record: StepRecord) -> None:
-        self.reader.poll()
         if self._closed:
             self._judge_stale()
         step = record.step

@@ -687,7 +687,7 @@ class DeferredReads:
             consume(None)
             return False
         flat = _flat_float32(values)
-        if not getattr(adapter, "batches_reads", False):
+        if not adapter.batches_reads:
             return self._copy(adapter, flat, consume)
         if self._staged and self._staged_on != (adapter, device):
             self.flush()

@@ -39,6 +39,8 @@ class StepProgress(Protocol):
     typical_loss: Optional[float]
     optimizer_steps: int
     reads: DeferredReads
+    # Called at each step's end, after `reads` was polled: what earlier steps
+    # read from the device and is in by now has reached its consumer.
     step_extras: list[Callable[[StepRecord], None]]
     backward_extras: list[Callable[[Any], None]]
     record_complete: list[Callable[[StepRecord], None]]
