@@ -750,3 +750,29 @@ def test_a_frozen_rank_whose_own_bundle_comes_before_its_supervisors_is_still_na
     assert len(hangs) == 1 and hangs[0]["ranks"] == [frozen], hangs
     assert "frozen in its own code" in hangs[0]["summary"], hangs[0]["summary"]
     c.stop()
+
+
+def test_step_events_due_is_every_event_up_to_the_step_in_step_then_arrival_order():
+    """`StepEvents.due` against the rule it keeps, on random adds and seals:
+    the whole-drain road (every pending event due, as every rank's start-up
+    facts at their step's seal) and the per-rank split give the same."""
+    from types import SimpleNamespace
+
+    from rankwatch.collector.analyses.common import StepEvents
+
+    for seed in range(200):
+        rng = random.Random(seed)
+        events, held, arrival = StepEvents(("k",)), [], 0
+        for op in range(150):
+            if rng.random() < 0.7:
+                rank, step = rng.randrange(6), rng.randrange(20)
+                event = SimpleNamespace(kind="k", step=step, id=op)
+                events.add(rank, event)
+                arrival += 1
+                held.append((step, arrival, rank, event))
+            else:
+                step = rng.randrange(25)
+                expected = sorted((e for e in held if e[0] <= step), key=lambda e: (e[0], e[1]))
+                held = [e for e in held if e[0] > step]
+                got = events.due(step)
+                assert [(r, e.id) for r, e in got] == [(r, e.id) for _, _, r, e in expected], (seed, op)

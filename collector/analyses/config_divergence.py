@@ -33,7 +33,7 @@ from typing import Any, Optional
 from rankwatch import wire
 
 from ..state import RunState
-from .common import (StepEvents, majority, pairs, ranks_text, record_frontier, register_tracker, settle, tracker, verb,
+from .common import (StepEvents, event_pairs, majority, ranks_text, record_frontier, register_tracker, settle, tracker, verb,
                      verdict)
 from .weight_divergence import start_replicas
 
@@ -113,14 +113,21 @@ class Tracker:
 
     def on_step(self, run: RunState, step: int, records: dict[int, wire.StepRecord]) -> None:
         for rank, event in self.events.due(step):
-            facts = self.facts.setdefault(rank, {})
-            for key, value in pairs(event.details.get("facts")).items():
-                if value:
-                    facts[key] = value
-                else:
-                    facts.pop(key, None)
-            sites = self.sites.setdefault(rank, {})
-            sites.update(pairs(event.details.get("sites")))
+            told = event_pairs(event.details, "facts")
+            facts = self.facts.get(rank)
+            if facts is None:  # a rank's first facts (every rank's at start-up): one C-level pass
+                self.facts[rank] = {key: value for key, value in told.items() if value}
+            else:
+                for key, value in told.items():
+                    if value:
+                        facts[key] = value
+                    else:
+                        facts.pop(key, None)
+            sites = self.sites.get(rank)
+            if sites is None:
+                self.sites[rank] = dict(event_pairs(event.details, "sites"))
+            else:
+                sites.update(event_pairs(event.details, "sites"))
             self.changed = True
             self._facts_version += 1
         if self.finding is not None:

@@ -26,7 +26,7 @@ from typing import Optional
 from rankwatch import wire
 
 from ..state import RunState
-from .common import StepEvents, pairs, ranks_text, register_tracker, settle, tracker, verb, verdict
+from .common import StepEvents, event_pairs, ranks_text, register_tracker, settle, tracker, verb, verdict
 from .weight_divergence import start_replicas
 
 STREAK = 3  # compared steps in a row (the bound is 8)
@@ -58,7 +58,7 @@ class Tracker:
         repeats = []
         for rank, event in self._events.due(step):
             if event.kind == "train_config":
-                group = pairs(event.details.get("facts")).get("replicas")
+                group = event_pairs(event.details, "facts").get("replicas")
                 if group:
                     self.groups[rank] = group
             elif event.kind == "batch_repeat":
