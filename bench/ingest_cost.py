@@ -165,6 +165,9 @@ def main(argv=None) -> int:
         steady_started, steady_cpu_started = time.perf_counter(), time.thread_time()
         collector.tick(time.time())
         steady, steady_cpu = time.perf_counter() - steady_started, time.thread_time() - steady_cpu_started
+        if not last:
+            print(f"the next tick (seals what start-up left, if anything): {1000 * steady:.0f} ms, "
+                  f"{1000 * steady_cpu:.0f} ms of CPU")
         if args.profile and last:
             profiler.disable()
             profiler.dump_stats(args.profile + ".steady-tick")
