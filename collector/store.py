@@ -33,6 +33,7 @@ from urllib.parse import quote
 from rankwatch import wire
 
 from .changes import Changes
+from .memo import PerObject
 from .state import Incident, RankState, RunState
 
 log = logging.getLogger("rankwatch.collector")
@@ -159,19 +160,9 @@ def _dumps(value: Any) -> str:
     return wire.json_text(value, compact=True)
 
 
-_dumped: dict[int, tuple[Any, str]] = {}  # id(value) -> (value, its text)
-
-
-def _dumps_shared(value: Any) -> str:
-    """_dumps, once per object: every rank's start-up facts arrive as one
-    shared details object (collector/codec.py), written once per rank. The
-    memo holds the object, so its id is not reused while it is there."""
-    memo = _dumped.get(id(value))
-    if memo is None or memo[0] is not value:
-        if len(_dumped) >= 10_000:
-            _dumped.clear()
-        memo = _dumped[id(value)] = (value, _dumps(value))
-    return memo[1]
+# _dumps, once per object: every rank's start-up facts arrive as one shared
+# details object (collector/codec.py), written once per rank.
+_dumps_shared = PerObject(_dumps)
 
 
 def _norms(fingerprint: dict[str, Any]) -> dict[str, Any]:

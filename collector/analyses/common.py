@@ -15,6 +15,7 @@ import numpy as np
 
 from rankwatch import wire
 
+from ..memo import PerObject
 from ..state import DURATIONS_KEPT, percentile
 
 # Frames in these files are torch's or Python's machinery; the user's code is elsewhere.
@@ -608,23 +609,15 @@ class StepEvents:
 _STEP_THEN_ARRIVAL = operator.itemgetter(0, 1)
 
 
-_pairs_memo: dict[tuple[int, str], tuple[Any, dict[str, str]]] = {}
+def _details_pairs(details: Any, key: str) -> dict[str, str]:
+    return pairs(details.get(key) if isinstance(details, dict) else None)
 
 
-def event_pairs(details: Any, key: str) -> dict[str, str]:
-    """`pairs(details[key])`, once per details object: every rank's start-up
-    facts arrive as one shared details object (collector/codec.py), so a
-    big job's sealed step held 100,000 copies of one computation (~1 s of a
-    100,000-rank tick). The mapping returned is shared: read it, never
-    change it. The memo holds the object, so its id is not reused while it
-    is there."""
-    memo = _pairs_memo.get((id(details), key))
-    if memo is None or memo[0] is not details:
-        if len(_pairs_memo) >= 10_000:
-            _pairs_memo.clear()
-        value = details.get(key) if isinstance(details, dict) else None
-        memo = _pairs_memo[(id(details), key)] = (details, pairs(value))
-    return memo[1]
+# `pairs(details[key])`, once per details object: every rank's start-up facts
+# arrive as one shared details object, so a big job's sealed step held
+# 100,000 copies of one computation (~1 s of a 100,000-rank tick). The
+# mapping returned is shared: read it, never change it.
+event_pairs = PerObject(_details_pairs)
 
 
 def pairs(value: Any, limit: int = 256) -> dict[str, str]:

@@ -33,8 +33,8 @@ from typing import Any, Optional
 from rankwatch import wire
 
 from ..state import RunState
-from .common import (StepEvents, event_pairs, majority, ranks_text, record_frontier, register_tracker, settle, tracker, verb,
-                     verdict)
+from .common import (StepEvents, event_pairs, majority, ranks_text, record_frontier, register_tracker, settle, tracker,
+                     verb, verdict)
 from .weight_divergence import start_replicas
 
 NOT_COMPARED = ("replicas", "join")
@@ -123,11 +123,7 @@ class Tracker:
                         facts[key] = value
                     else:
                         facts.pop(key, None)
-            sites = self.sites.get(rank)
-            if sites is None:
-                self.sites[rank] = dict(event_pairs(event.details, "sites"))
-            else:
-                sites.update(event_pairs(event.details, "sites"))
+            self.sites.setdefault(rank, {}).update(event_pairs(event.details, "sites"))
             self.changed = True
             self._facts_version += 1
         if self.finding is not None:
