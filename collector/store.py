@@ -185,8 +185,10 @@ def _queue(per_rank: dict[int, list], rank: int, items: list, bound: int) -> Non
 
 def _index_stride(world: int) -> int:
     """Past SAMPLED_ABOVE ranks the index keeps every 2^k-th step of each rank
-    (the same steps on every rank), ~10,000 ranks' worth of records: enough
-    to rebuild the analyses offline, cheap to write."""
+    (the same steps on every rank): its step record and its collective mark,
+    where it has one. ~10,000 ranks' worth of records: enough to rebuild the
+    analyses offline (a mark counts collectives since the start, so a rank's
+    extra or missing one shows at every later mark), cheap to write."""
     return 1 << max(0, (world - 1) // SAMPLED_ABOVE).bit_length() if world > SAMPLED_ABOVE else 1
 
 
@@ -470,15 +472,18 @@ class Store:
         """One heartbeat's records, marks, fingerprints and events, queued
         (the caller holds the pending lock)."""
         world = hb.identity.world_size
+        stride = _index_stride(world)
         if steps:
-            stride = _index_stride(world)
             if stride > 1:
                 steps = [r for r in steps if r.step % stride == 0]
             if steps:
                 bound = max(16, min(MAX_PENDING_PER_RANK, 2_000_000 // max(1, world)))
                 _queue(self._steps.setdefault(run_id, {}), rank, steps, bound)
-        if hb.marks:
-            _queue(self._marks.setdefault(run_id, {}), rank, hb.marks, MAX_PENDING_PER_RANK)
+        marks = hb.marks
+        if marks and stride > 1:
+            marks = [m for m in marks if m.step % stride == 0]
+        if marks:
+            _queue(self._marks.setdefault(run_id, {}), rank, marks, MAX_PENDING_PER_RANK)
         if fingerprints:
             _queue(self._prints.setdefault(run_id, {}), rank, fingerprints, 256)
         for e in hb.events:

@@ -557,6 +557,28 @@ def test_marks_and_fingerprints_reload_from_the_index_as_sent(tmp_path):
     assert nan_print["norms"][0] != nan_print["norms"][0] and nan_print["norms"][1] == 2.0
 
 
+def test_past_ten_thousand_ranks_the_index_keeps_the_same_sampled_steps_of_records_and_marks(tmp_path):
+    """A 100,000-rank job's index keeps every 16th step of each rank, its
+    step record and its collective mark alike (a mark counts collectives
+    since the start, so an extra one still shows at the next kept mark);
+    the live state keeps them all. A 10,000-rank job's index keeps every step."""
+    for world, kept in ((100_000, [0, 16]), (10_000, [0, 4, 8, 12, 16, 20])):
+        store = Store(tmp_path / f"i{world}.sqlite")
+        run = RunState("big", world_size=world)
+        store.save_run(run)
+        steps = range(0, 24, 4)  # records and marks every 4th step, as a relay forwards them
+        beat = wire.Heartbeat(identity=wire.RankIdentity(run_id="big", rank=7, local_rank=7, world_size=world),
+                              sent_at=time.time(), step=24,
+                              steps=[wire.StepRecord(step=s, started_at=100.0 + s, ended_at=101.0 + s) for s in steps],
+                              marks=[wire.CollectiveMark(s, {"0": 3 * s}) for s in steps])
+        store.save_heartbeat_data("big", 7, beat)
+        store.flush()
+        loaded = store.load_run("big")
+        assert sorted(loaded.ranks[7].steps) == kept
+        assert dict(loaded.ranks[7].marks) == {s: {"0": 3 * s} for s in kept}
+        store.close()
+
+
 def test_open_mark_steps_are_compared_rank_by_rank_only_when_their_ranks_disagree(monkeypatch):
     """A step that waits for a rank (shed, slow to report) is not read over
     every rank on every pass: the marks are counted as they arrive, and a
