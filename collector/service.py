@@ -924,8 +924,9 @@ def record_stride(world_size: int, typical_step_s: Optional[float], scale: int =
     times `scale`, the run's `AnalysisBudget` (collector/analysis_budget.py:
     coarser while the analyses use more than their share of a core).
     The cross-rank analyses read the same sampled steps on every rank; the
-    relays still forward every unusual record, and the hang watch reads the
-    heartbeats, not the records."""
+    relays still forward every unusual record, thin each rank's collective
+    marks and fingerprints by the same stride (rankwatch/node/relay.py
+    `StepSampler`), and the hang watch reads the heartbeats, not the records."""
     stride = 1
     if typical_step_s and world_size > STEP_RECORDS_PER_SECOND * 0.05:
         rate = world_size / max(typical_step_s, 0.01)

@@ -240,6 +240,9 @@ class NodeReply:
     # Step records the relay forwards at scale: every `step_stride`-th step of
     # each rank (the same steps on every rank) and every unusual one (a
     # non-finite value, a jump of the gradient norm). None or 1: every step.
+    # Its collective marks and fingerprints alike: every `step_stride`-th of
+    # each (the same on every rank), and every fingerprint with a non-finite
+    # norm or of a moment of its own ("at").
     step_stride: Optional[int] = None
 
 

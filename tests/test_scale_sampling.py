@@ -54,6 +54,44 @@ def test_the_relay_forwards_every_kth_step_and_every_unusual_record():
     assert [r[0] for r in kept] == [141, 142, 143, 146]  # NaN, non-finite grads, a 27x norm, Inf; not 145, 147
 
 
+
+def test_the_relay_forwards_every_kth_mark_and_fingerprint_the_same_on_every_rank():
+    """Marks every 5 steps, fingerprints every 10 (steps 9, 19, ...) after a
+    start-up one: at stride 8 every relay forwards the same 1 in 8 of each,
+    every fingerprint with a non-finite norm, the start-up one, and the
+    parameter names of a left-out fingerprint on the rank's next one."""
+    names, later_names = ["w", "b"], ["w", "b", "extra"]
+
+    def beats(rank: int, first: int, last: int) -> list[dict]:
+        out = []
+        for begin in range(first, last, 40):  # one beat: 40 steps' worth
+            marks = [{"step": s, "seqs": {"0": 3 * s}} for s in range(begin, min(begin + 40, last)) if s % 5 == 0]
+            prints = [{"step": s, "norms": [1.0, 2.0]} for s in range(begin, min(begin + 40, last)) if s % 10 == 9]
+            out.append({**_beat(rank, []), "marks": marks, "fingerprints": prints})
+        return out
+
+    relays = {}
+    for rank in (0, 1):  # two ranks on two nodes: two samplers
+        sampler = relays[rank] = StepSampler()
+        start = {"step": 0, "norms": [1.0, 0.5], "names": names + ["grad:w"], "at": "start"}
+        sampler.stride = 8
+        assert sampler.sample(rank, {**_beat(rank, []), "fingerprints": [start]})["fingerprints"] == [start]
+        marks, prints = [], []
+        for i, beat in enumerate(beats(rank, 1, 400)):
+            if i == 1:
+                beat["fingerprints"][0]["names"] = later_names  # step 49: names change, left out
+            if i == 5:
+                beat["fingerprints"][1]["norms"] = [1.0, "NaN"]  # step 219: forwarded whatever its step
+            out = sampler.sample(rank, beat)
+            marks += [m["step"] for m in out["marks"]]
+            prints += [(fp["step"], fp.get("names")) for fp in out["fingerprints"]]
+        relays[rank] = (marks, prints)
+    assert relays[0] == relays[1]
+    marks, prints = relays[0]
+    assert marks == [5, 40, 80, 120, 160, 200, 240, 280, 320, 360]  # the first, then every 8th (5-step period)
+    assert prints == [(9, None), (89, later_names), (169, None), (219, None), (249, None), (329, None)]
+
+
 def test_a_relay_takes_the_stride_the_collector_asks_for():
     relay = Relay(lambda *a, **k: {}, "big")
     relay._take_reply({"commands": [], "ranks": {}, "version": wire.WIRE_VERSION, "interval": 10.0, "step_stride": 8})

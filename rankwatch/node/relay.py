@@ -54,6 +54,7 @@ URGENT_EVENTS = ("exception", "exit", "nonfinite", "oom")
 NORM_HISTORY = 16  # a rank's recent gradient norms, to tell an unusual one at a sampled cadence
 NORM_JUMP = 3.0  # a norm this many times the rank's recent median is forwarded whatever its step
 MAX_PENDING_BYTES = 2 * 1024 * 1024  # a node's kept report: 1/8 of the collector's node-report limit
+MAX_PERIODIC_KEYS = 4096  # (kind, rank, model)s whose previous mark or fingerprint step a relay keeps
 _TRIMMED_LISTS = ("step_rows", "steps", "marks", "events", "fingerprints")
 
 
@@ -63,13 +64,73 @@ class StepSampler:
     every rank, so the cross-rank analyses compare like with like) and every
     record that is unusual on its own rank: a non-finite loss or gradient, or
     a gradient norm NORM_JUMP times its recent median. A few comparisons per
-    record; the node's other records stay out of the collector."""
+    record; the node's other records stay out of the collector.
+
+    A rank's collective marks and weight fingerprints come every few steps
+    (the agent's `collective_mark_every`, `fingerprint_every`): the relay
+    forwards every `stride`-th of each, the same ones on every rank whatever
+    that period (`_periodic`), and every fingerprint with a non-finite norm.
+    What they show lasts: a mark counts the collectives since the start, so
+    an extra or missing one shows at every later mark, and replicas' weights
+    that drifted apart stay apart; a coarser stride names them later, not
+    less. Parameter names, sent only when they change, ride on the rank's next
+    forwarded fingerprint when theirs is left out."""
 
     def __init__(self) -> None:
         self.stride = 1
         self._norms: dict[int, collections.deque] = {}
+        self._last_step: dict[tuple, int] = {}  # (kind, rank, model) -> the step of its previous mark or print
+        self._names: dict[int, Any] = {}  # rank -> names of a fingerprint left out, for its next forwarded one
 
     def sample(self, rank: int, beat: dict[str, Any]) -> dict[str, Any]:
+        beat = self._sample_rows(rank, beat)
+        for key in ("marks", "fingerprints"):
+            items = beat.get(key)
+            if items and isinstance(items, list):
+                kept = self._periodic(key, rank, items)
+                if len(kept) != len(items) or any(a is not b for a, b in zip(kept, items)):
+                    beat = {**beat, key: kept}
+        return beat
+
+    def _periodic(self, kind: str, rank: int, items: list) -> list:
+        """Every `stride`-th: the item of step S is kept when (S // gap) %
+        stride == 0, gap being the steps since the rank's previous one (each
+        model's own, for fingerprints). Every rank has them at the same
+        steps, so every relay keeps the same ones. A rank's first, one out of
+        order, a malformed one (the collector judges it) and a fingerprint
+        of a moment of its own (``"at": "start"``, which tells replicas) are
+        kept. The previous steps are counted at every stride (1 included), so
+        a new stride applies alike on every relay."""
+        kept = []
+        prints = kind == "fingerprints"
+        for item in items:
+            step = item.get("step") if isinstance(item, dict) else None
+            if type(step) is not int or (prints and item.get("at") is not None):
+                kept.append(item)
+                continue
+            model = item.get("model", 0) if prints else 0
+            key = (kind, rank, model if type(model) is int else 0)
+            previous = self._last_step.get(key)
+            if previous is None and len(self._last_step) >= MAX_PERIODIC_KEYS:
+                self._last_step.clear()  # a sender inventing models: forget, never grow
+            self._last_step[key] = step
+            gap = step - previous if previous is not None else 0
+            wanted = self.stride <= 1 or gap <= 0 or (step // gap) % self.stride == 0
+            if not prints:
+                if wanted:
+                    kept.append(item)
+                continue
+            if not wanted and _finite_norms(item):
+                if isinstance(item.get("names"), list):
+                    self._names[rank] = item["names"]
+                continue
+            names = self._names.pop(rank, None)
+            if names is not None and "names" not in item:
+                item = {**item, "names": names}
+            kept.append(item)
+        return kept
+
+    def _sample_rows(self, rank: int, beat: dict[str, Any]) -> dict[str, Any]:
         rows, columns = beat.get("step_rows"), beat.get("step_columns")
         if not rows or not isinstance(columns, list):
             return beat
@@ -109,6 +170,17 @@ class StepSampler:
             ordered = sorted(norms)
             if norm > NORM_JUMP * ordered[len(ordered) // 2]:
                 return True
+        return False
+
+
+def _finite_norms(fingerprint: dict[str, Any]) -> bool:
+    """Every norm a finite number ("NaN", "Infinity" travel as strings)."""
+    norms = fingerprint.get("norms")
+    if not isinstance(norms, list):
+        return True
+    try:
+        return all(map(math.isfinite, norms))
+    except TypeError:  # a string: a non-finite value
         return False
 
 
