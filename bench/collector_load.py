@@ -41,7 +41,9 @@ Start (--start): `cold` (default) starts every node within one second, each
 at the relay's real initial cadence for the world size and with its first
 report at a random offset within it, backing off as a relay does (jittered,
 Retry-After as a floor) on a failure, a 503 or a 5-s timeout; the time until
-the collector has seen every rank is printed. `spread` is the older warm-up
+the collector has seen every rank is printed. The measured window starts
+--settle seconds after that (default two cadences; --settle 90 at 100,000
+ranks measures past the relays' longest backoff and the start-up seal). `spread` is the older warm-up
 (histories at ~1,000 nodes a second, then fixed slots).
 
 The load generator is one asyncio process on kept-alive connections with
@@ -618,7 +620,8 @@ async def _until_all_seen(collector: CollectorProcess, loop, ranks: int, began: 
 
 async def run_load(url: str, job: Job, mode: str, history: int, measure: float, hang_timeout: float,
                    collector: CollectorProcess, start: str = "spread",
-                   recorded: Optional["Recorded"] = None, outage: float = 0.0) -> dict[str, Any]:
+                   recorded: Optional["Recorded"] = None, outage: float = 0.0,
+                   settle: Optional[float] = None) -> dict[str, Any]:
     sim = Simulator(url, job, mode, history)
     nodes = (job.ranks + RANKS_PER_NODE - 1) // RANKS_PER_NODE
     # The collector's cadence at this size (same rule as the service).
@@ -639,7 +642,7 @@ async def run_load(url: str, job: Job, mode: str, history: int, measure: float, 
         tasks = [loop.create_task(sim.relay(n, recorded, rng.random())) for n in range(nodes)]
         cold = await _until_all_seen(collector, loop, job.ranks, began, deadline_s=max(60.0, 6 * sim.interval),
                                      tasks=tasks)
-        await asyncio.sleep(2 * sim.interval)
+        await asyncio.sleep(2 * sim.interval if settle is None else settle)
     else:
         # Start-up spread so the histories arrive at about 1,000 nodes a second.
         spread = max(sim.interval, nodes / 1000)
@@ -746,7 +749,9 @@ def bench_one(ranks: int, args: argparse.Namespace) -> dict[str, Any]:
         job = Job(ranks, args.step_time, first_step=0 if cold else 100_000,
                   culprit=random.Random(ranks).randrange(ranks))
         result = asyncio.run(run_load(collector.url, job, args.mode, history, args.measure, args.hang_timeout,
-                                      collector, start=start, outage=getattr(args, "outage", 0.0)))
+                                      collector, start=start, outage=getattr(args, "outage", 0.0),
+                                      settle=getattr(args, "settle", None)))
+        result["settle_s"] = getattr(args, "settle", None)
         result["history_steps"] = history
         result["culprit"] = job.culprit
         result["hang_named"] = result.get("hang_ranks") == [job.culprit]
@@ -769,6 +774,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--start", choices=("cold", "spread"), default="cold",
                         help="cold: every relay starts within a second with recorded messages (relay mode)")
     parser.add_argument("--measure", type=float, default=30.0, help="seconds of steady load measured")
+    parser.add_argument("--settle", type=float, default=None,
+                        help="cold start: seconds from every rank seen to the measured window (default two "
+                             "cadences; the relays' longest backoff and the start-up seal need about 90 s at 100,000 ranks)")
     parser.add_argument("--step-time", type=float, default=1.0, help="seconds per optimizer step of every rank")
     parser.add_argument("--history", type=int, default=None,
                         help="step records per rank sent before measuring (default min(256, 2M / ranks))")
