@@ -90,6 +90,11 @@ def test_the_relay_forwards_every_kth_mark_and_fingerprint_the_same_on_every_ran
     marks, prints = relays[0]
     assert marks == [5, 40, 80, 120, 160, 200, 240, 280, 320, 360]  # the first, then every 8th (5-step period)
     assert prints == [(9, None), (89, later_names), (169, None), (219, None), (249, None), (329, None)]
+    sampler = StepSampler()
+    sampler.stride = 8
+    odd = {"step": 429, "norms": [1.0, 10**400]}  # past a float's range: forwarded, for the collector to judge
+    first, usual = {"step": 409, "norms": [1.0, 2.0]}, {"step": 419, "norms": [1.0, 2.0]}
+    assert sampler.sample(0, {**_beat(0, []), "fingerprints": [first, usual, odd]})["fingerprints"] == [first, odd]
 
 
 def test_a_relay_takes_the_stride_the_collector_asks_for():

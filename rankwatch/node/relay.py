@@ -180,7 +180,7 @@ def _finite_norms(fingerprint: dict[str, Any]) -> bool:
         return True
     try:
         return all(map(math.isfinite, norms))
-    except TypeError:  # a string: a non-finite value
+    except (TypeError, OverflowError):  # a string (a non-finite value), or an integer past a float's range
         return False
 
 
