@@ -113,13 +113,6 @@ def _dumps_steps(per_rank: dict[int, list[wire.StepRecord]]) -> str:
     return _dumps(value)
 
 
-def _all_finite(values: list) -> bool:
-    try:
-        return all(map(math.isfinite, values))
-    except (TypeError, OverflowError):  # not numbers, or an integer past a float's range: the strict encoder
-        return False
-
-
 def _prints_row(queued: list[dict[str, Any]]) -> tuple[int, int, str]:
     """A rank's fingerprints of one flush as (first step, last step, text) of
     {"names": [...], "prints": [...]}: a print's names are an index into
@@ -141,7 +134,7 @@ def _prints_row(queued: list[dict[str, Any]]) -> tuple[int, int, str]:
             steps.append(step)
         norms = item.get("norms")
         if finite and isinstance(norms, list):
-            finite = _all_finite(norms)
+            finite = wire.all_finite(norms)  # else the strict encoder
         prints.append(item)
     value = {"names": names, "prints": prints}
     return min(steps, default=-1), max(steps, default=-1), _dumps_finite(value) if finite else _dumps(value)

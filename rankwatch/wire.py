@@ -435,6 +435,15 @@ def number(value: Any) -> Optional[float]:
     return None
 
 
+def all_finite(values: list) -> bool:
+    """Every value a finite number: False for a non-finite one (sent as a
+    string, "NaN"), anything not a number, or an integer past a float's range."""
+    try:
+        return all(map(math.isfinite, values))
+    except (TypeError, OverflowError):
+        return False
+
+
 # --------------------------------------------------------------------------
 # Encoding: strict JSON only
 # --------------------------------------------------------------------------

@@ -176,12 +176,7 @@ class StepSampler:
 def _finite_norms(fingerprint: dict[str, Any]) -> bool:
     """Every norm a finite number ("NaN", "Infinity" travel as strings)."""
     norms = fingerprint.get("norms")
-    if not isinstance(norms, list):
-        return True
-    try:
-        return all(map(math.isfinite, norms))
-    except (TypeError, OverflowError):  # a string (a non-finite value), or an integer past a float's range
-        return False
+    return not isinstance(norms, list) or wire.all_finite(norms)
 
 
 def merge_beats(old: Optional[dict[str, Any]], new: dict[str, Any]) -> dict[str, Any]:
