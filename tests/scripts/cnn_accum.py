@@ -2,7 +2,7 @@
 (no_sync). No rankwatch import: the held-out shape of a user's script."""
 
 import argparse
-import os
+import gc
 import time
 
 import torch
@@ -61,6 +61,7 @@ def main():
                 opt.zero_grad()
                 step += 1
     del model  # nothing may hold DDP at destroy_process_group (conftest.TORCH_TEARDOWN_ABORT)
+    gc.collect()  # DDP is freed only by a cyclic collection
     dist.destroy_process_group()
 
 

@@ -6,6 +6,7 @@ gives a gradient norm ~100x its peers' and ~10x its own median. Healthy. No rank
 """
 
 import argparse
+import gc
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,7 @@ def main():
     print(f"done: {a.steps} steps", flush=True)
     dist.barrier()
     del model  # nothing may hold DDP at destroy_process_group (conftest.TORCH_TEARDOWN_ABORT)
+    gc.collect()  # DDP is freed only by a cyclic collection
     dist.destroy_process_group()
 
 

@@ -9,6 +9,7 @@ reference series of bench/grad_spike_false_alarms.py.
 """
 
 import argparse
+import gc
 import json
 
 import torch
@@ -73,6 +74,7 @@ def main():
     print(f"done: {step} steps", flush=True)
     dist.barrier()
     del model  # nothing may hold DDP at destroy_process_group (conftest.TORCH_TEARDOWN_ABORT)
+    gc.collect()  # DDP is freed only by a cyclic collection
     dist.destroy_process_group()
 
 

@@ -10,6 +10,7 @@ applied twice, an unnormalised observation...).
 """
 
 import argparse
+import gc
 
 import torch
 import torch.distributed as dist
@@ -94,6 +95,7 @@ def main():
     print(f"done: {step} steps", flush=True)
     dist.barrier()
     del model  # nothing may hold DDP at destroy_process_group (conftest.TORCH_TEARDOWN_ABORT)
+    gc.collect()  # DDP is freed only by a cyclic collection
     dist.destroy_process_group()
 
 

@@ -14,6 +14,7 @@ checkpoint write or a rank-0-only evaluation.
 """
 
 import argparse
+import gc
 import http.client
 import io
 import time
@@ -89,6 +90,7 @@ def main():
         if rank == 0 and step % 5 == 0:
             print(f"step {step} loss {loss.item():.4f}", flush=True)
     del model
+    gc.collect()  # DDP is freed only by a cyclic collection
     dist.destroy_process_group()
 
 

@@ -7,6 +7,7 @@ No rankwatch import.
     rankwatch run --nproc-per-node 2 tests/scripts/uneven_epochs.py
 """
 
+import gc
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -29,4 +30,5 @@ for epoch in range(3):
     dist.all_reduce(metric)  # the epoch's metric
 print(f"rank {rank} done", flush=True)
 del model  # nothing may hold DDP at destroy_process_group (conftest.TORCH_TEARDOWN_ABORT)
+gc.collect()  # DDP is freed only by a cyclic collection
 dist.destroy_process_group()

@@ -7,6 +7,7 @@ import.
 """
 
 import argparse
+import gc
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,7 @@ def main():
             opt.step()
     print(f"rank {rank} done", flush=True)
     del model  # nothing may hold DDP at destroy_process_group (conftest.TORCH_TEARDOWN_ABORT)
+    gc.collect()  # DDP is freed only by a cyclic collection
     dist.destroy_process_group()
 
 
