@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from rankwatch import wire
+from rankwatch.collector.changes import BeatData
 from rankwatch.collector.service import record_stride
 from rankwatch.collector.state import RunState
 from rankwatch.collector.store import Store
@@ -70,7 +71,8 @@ def main(argv=None) -> int:
                     steps=[wire.StepRecord(step=s, started_at=1e9 + s, ended_at=1e9 + s + 0.9, loss=0.5,
                                            grad_norm=1.2) for s in steps if s % stride == 0],
                     marks=[wire.CollectiveMark(m["step"], m["seqs"]) for m in forwarded["marks"]])
-                store._queue_beat("big", r, beat, beat.steps, forwarded["fingerprints"])
+                store._queue_beat(BeatData("big", r, identity.world_size, beat.steps, beat.marks, beat.events,
+                                           forwarded["fingerprints"]))
         t1 = time.process_time()
         store._flush_once(bulk=True, everything=False)
         t2 = time.process_time()

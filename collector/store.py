@@ -32,7 +32,7 @@ from urllib.parse import quote
 
 from rankwatch import wire
 
-from .changes import Changes
+from .changes import BeatData, Changes
 from .memo import PerObject
 from .state import Incident, RankState, RunState
 
@@ -304,9 +304,9 @@ class Store:
             except Exception:
                 log.exception("index: one %s row not written", save.__name__.removeprefix("save_"))
         with self._pending_lock:
-            for run_id, rank, hb, fingerprints in noted.beats:
+            for beat in noted.beats:
                 try:
-                    self._queue_beat(run_id, rank, hb, hb.steps, fingerprints)
+                    self._queue_beat(beat)
                 except Exception:
                     log.exception("index: one heartbeat row not written")
             self._ranks.update(noted.ranks)
@@ -456,15 +456,14 @@ class Store:
         if self.readonly:
             return
         with self._pending_lock:
-            self._queue_beat(run_id, rank, hb, hb.steps if steps is None else steps,
-                             hb.fingerprints if fingerprints is None else fingerprints)
+            self._queue_beat(BeatData(run_id, rank, hb.identity.world_size, hb.steps if steps is None else steps,
+                                      hb.marks, hb.events, hb.fingerprints if fingerprints is None else fingerprints))
         self._ensure_writer()
 
-    def _queue_beat(self, run_id: str, rank: int, hb: wire.Heartbeat, steps: list[wire.StepRecord],
-                    fingerprints: list[dict[str, Any]]) -> None:
+    def _queue_beat(self, beat: BeatData) -> None:
         """One heartbeat's records, marks, fingerprints and events, queued
         (the caller holds the pending lock)."""
-        world = hb.identity.world_size
+        run_id, rank, world, steps, marks, events, fingerprints = beat
         stride = _index_stride(world)
         if steps:
             if stride > 1:
@@ -472,14 +471,13 @@ class Store:
             if steps:
                 bound = max(16, min(MAX_PENDING_PER_RANK, 2_000_000 // max(1, world)))
                 _queue(self._steps.setdefault(run_id, {}), rank, steps, bound)
-        marks = hb.marks
         if marks and stride > 1:
             marks = [m for m in marks if m.step % stride == 0]
         if marks:
             _queue(self._marks.setdefault(run_id, {}), rank, marks, MAX_PENDING_PER_RANK)
         if fingerprints:
             _queue(self._prints.setdefault(run_id, {}), rank, fingerprints, 256)
-        for e in hb.events:
+        for e in events:
             self._sql.append(("INSERT INTO events VALUES (?,?,?,?,?,?)",
                               (run_id, rank, e.kind, e.at, e.step, _dumps_shared(e.details))))
 

@@ -49,7 +49,8 @@ def test_a_heartbeat_changes_state_and_notes_what_the_index_keeps():
     assert (state.step, state.phase, state.enqueued, sorted(state.steps)) == (5, "data", {"0": 12}, [4])
     assert effect == ingest.Effect(touched=True, urgent=False)
     noted = changes.take()
-    assert [(r, rank, hb.step) for r, rank, hb, _ in noted.beats] == [("job", 1, 5)]
+    # The index's part of the beat (its record), not the beat itself.
+    assert [(b.run_id, b.rank, b.world_size, [r.step for r in b.steps]) for b in noted.beats] == [("job", 1, 2, [4])]
     assert noted.ranks == {("job", 1): state}
     assert not changes.take(), "taken once"
 
