@@ -129,18 +129,28 @@ def _fill_step_values(state: RankState, event: wire.Event) -> None:
 
 def with_names(fingerprints: list[dict[str, Any]], known) -> list[dict[str, Any]]:
     """Agents send a fingerprint's parameter names only when they change: the
-    others take the rank's last names (none known yet: the print is dropped)."""
-    last = None
+    others take the last names of their model on this rank (a job may
+    fingerprint two models, a GAN's generator and discriminator; none known
+    yet: the print is dropped)."""
+    last: dict[int, Any] = {}
     for fp in known:
-        last = fp.get("names", last)
+        if "names" in fp:
+            last[_model(fp)] = fp["names"]
     out = []
     for fp in fingerprints:
-        names = fp.get("names")
+        names, model = fp.get("names"), _model(fp)
         if isinstance(names, (list, tuple)):
-            last = names
-        elif last is not None:
-            fp = {**fp, "names": last}
+            last[model] = names
+        elif last.get(model) is not None:
+            fp = {**fp, "names": last[model]}
         else:
             continue
         out.append(fp)
     return out
+
+
+def _model(fingerprint: dict[str, Any]) -> int:
+    """Which of the rank's fingerprinted models a print is of (0 when the
+    agent leaves it out)."""
+    model = fingerprint.get("model", 0)
+    return model if type(model) is int else 0

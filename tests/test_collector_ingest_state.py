@@ -94,6 +94,19 @@ def test_fingerprints_without_names_take_the_ranks_last_names():
     assert ingest.with_names([{"step": 2, "norms": [1.0]}], []) == [], "no names known yet: dropped"
 
 
+def test_a_second_models_fingerprints_take_their_own_models_names():
+    """A GAN fingerprints its generator (model 0, the key left out) and its
+    discriminator (model 1): a print without names takes its own model's."""
+    gen, disc = ["g.w"], ["d.w", "d.b"]
+    known = [{"step": 1, "names": gen, "norms": [1.0]}, {"step": 1, "names": disc, "norms": [1.0, 2.0], "model": 1}]
+    out = ingest.with_names([{"step": 2, "norms": [1.0], "model": 1}, {"step": 2, "norms": [1.0]}], known)
+    assert [fp["names"] for fp in out] == [disc, gen]
+    # Within one beat too: the generator's names, sent in full, are not the discriminator's.
+    out = ingest.with_names([{"step": 3, "names": gen, "norms": [1.0]}, {"step": 3, "norms": [1.0, 2.0], "model": 1}],
+                            [{"step": 2, "names": disc, "norms": [1.0, 2.0], "model": 1}])
+    assert [fp["names"] for fp in out] == [gen, disc]
+
+
 def test_the_journal_is_bounded_when_nothing_takes_it_and_keeps_the_dropped_beats_events(monkeypatch):
     monkeypatch.setattr(changes_mod, "MAX_BEATS", 8)
     changes, hb = Changes(), _hb(0, 1)

@@ -97,6 +97,21 @@ def test_the_relay_forwards_every_kth_mark_and_fingerprint_the_same_on_every_ran
     assert sampler.sample(0, {**_beat(0, []), "fingerprints": [first, usual, odd]})["fingerprints"] == [first, odd]
 
 
+def test_a_left_out_fingerprints_names_ride_on_the_next_print_of_the_same_model():
+    sampler = StepSampler()
+    sampler.stride = 8
+    gen, disc = ["g.w"], ["d.w", "d.b"]
+    first = [{"step": 9, "norms": [1.0], "names": gen}, {"step": 9, "norms": [1.0, 2.0], "names": disc, "model": 1}]
+    assert len(sampler.sample(0, {**_beat(0, []), "fingerprints": first})["fingerprints"]) == 2
+    renamed = ["d.w2", "d.b"]
+    left_out = [{"step": 19, "norms": [1.0]}, {"step": 19, "norms": [1.0, 2.0], "names": renamed, "model": 1}]
+    assert sampler.sample(0, {**_beat(0, []), "fingerprints": left_out})["fingerprints"] == []
+    later = [{"step": s, "norms": [1.0]} for s in range(29, 100, 10)]
+    later += [{"step": s, "norms": [1.0, 2.0], "model": 1} for s in range(29, 100, 10)]
+    out = sampler.sample(0, {**_beat(0, []), "fingerprints": later})["fingerprints"]
+    assert [(fp["step"], fp.get("model", 0), fp.get("names")) for fp in out] == [(89, 0, None), (89, 1, renamed)]  # 1 in 8 periods
+
+
 def test_a_relay_takes_the_stride_the_collector_asks_for():
     relay = Relay(lambda *a, **k: {}, "big")
     relay._take_reply({"commands": [], "ranks": {}, "version": wire.WIRE_VERSION, "interval": 10.0, "step_stride": 8})

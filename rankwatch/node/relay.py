@@ -80,7 +80,8 @@ class StepSampler:
         self.stride = 1
         self._norms: dict[int, collections.deque] = {}
         self._last_step: dict[tuple, int] = {}  # (kind, rank, model) -> the step of its previous mark or print
-        self._names: dict[int, Any] = {}  # rank -> names of a fingerprint left out, for its next forwarded one
+        # (rank, model) -> names of a fingerprint left out, for that model's next forwarded one
+        self._names: dict[tuple[int, int], Any] = {}
 
     def sample(self, rank: int, beat: dict[str, Any]) -> dict[str, Any]:
         beat = self._sample_rows(rank, beat)
@@ -109,7 +110,8 @@ class StepSampler:
                 kept.append(item)
                 continue
             model = item.get("model", 0) if prints else 0
-            key = (kind, rank, model if type(model) is int else 0)
+            model = model if type(model) is int else 0
+            key = (kind, rank, model)
             previous = self._last_step.get(key)
             if previous is None and len(self._last_step) >= MAX_PERIODIC_KEYS:
                 self._last_step.clear()  # a sender inventing models: forget, never grow
@@ -122,9 +124,11 @@ class StepSampler:
                 continue
             if not wanted and _finite_norms(item):
                 if isinstance(item.get("names"), list):
-                    self._names[rank] = item["names"]
+                    if len(self._names) >= MAX_PERIODIC_KEYS and (rank, model) not in self._names:
+                        self._names.clear()  # as _last_step: bounded whatever a sender invents
+                    self._names[(rank, model)] = item["names"]
                 continue
-            names = self._names.pop(rank, None)
+            names = self._names.pop((rank, model), None)
             if names is not None and "names" not in item:
                 item = {**item, "names": names}
             kept.append(item)
