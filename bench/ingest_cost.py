@@ -22,6 +22,7 @@ import argparse
 import collections
 import cProfile
 import importlib.util
+import random
 import sys
 import tempfile
 import time
@@ -70,15 +71,24 @@ def main(argv=None) -> int:
 
     # Every rank known (one report per node), as after a cold start, then one
     # steady report per node (its analyses' per-rank state made, as in a run
-    # going for a while).
+    # going for a while). Each round takes the nodes in a new order, as relays
+    # at their own random offsets arrive (so each sealed step holds its ranks
+    # in a new order, as live).
+    rng = random.Random(0)
+
+    def shuffled() -> list[int]:
+        order = list(range(nodes))
+        rng.shuffle(order)
+        return order
+
     step = 100
     per_report = int(interval)
     started = time.perf_counter()
-    for node in range(nodes):
+    for node in shuffled():
         routes.handle("POST", "/v1/node-report", body(node, None, step), lambda k: None)
     first = time.perf_counter() - started
     collector.tick(time.time())
-    for node in range(nodes):
+    for node in shuffled():
         routes.handle("POST", "/v1/node-report", body(node, step, step + per_report), lambda k: None)
     step += per_report
     collector.tick(time.time())
@@ -154,7 +164,7 @@ def main(argv=None) -> int:
     # after one such round (that round's tick seals what start-up left).
     steady_step = step + per_report * (args.reports // nodes)
     for round_ in range(2):
-        for node in range(nodes):
+        for node in shuffled():
             routes.handle("POST", "/v1/node-report", body(node, steady_step, steady_step + per_report), lambda k: None)
         steady_step += per_report
         collector.store.flush()
