@@ -752,10 +752,29 @@ def test_a_frozen_rank_whose_own_bundle_comes_before_its_supervisors_is_still_na
     c.stop()
 
 
+def test_rank_rows_give_each_rank_one_row_in_first_seen_order():
+    """`RankRows` against a dict: steps of distinct ranks in a new order each
+    time, ranks joining late and far past the table's size, an empty step."""
+    from rankwatch.collector.analyses.common import RankRows
+
+    rng = random.Random(3)
+    table, expected = RankRows(), {}
+    for _ in range(60):
+        ranks = rng.sample(range(5_000) if rng.random() < 0.9 else range(900_000, 999_999), rng.randint(0, 300))
+        first_seen = [r for r in ranks if r not in expected]
+        for r in first_seen:
+            expected[r] = len(expected)
+        rows, new = table.rows(ranks)
+        assert rows.tolist() == [expected[r] for r in ranks]
+        assert new == first_seen
+        assert table.ranks == sorted(expected, key=expected.get) and len(table) == len(expected)
+    assert table.get(999_999_999) is None and table.get(-1) is None
+    assert all(table.get(r) == row for r, row in expected.items())
+
+
 def test_step_events_due_is_every_event_up_to_the_step_in_step_then_arrival_order():
-    """`StepEvents.due` against the rule it keeps, on random adds and seals:
-    the whole-drain road (every pending event due, as every rank's start-up
-    facts at their step's seal) and the per-rank split give the same."""
+    """`StepEvents.due` against the rule it keeps, on random adds and seals,
+    with and without its per-rank bound pushing out a rank's oldest event."""
     from types import SimpleNamespace
 
     from rankwatch.collector.analyses.common import StepEvents
@@ -763,12 +782,16 @@ def test_step_events_due_is_every_event_up_to_the_step_in_step_then_arrival_orde
     for seed in range(200):
         rng = random.Random(seed)
         events, held, arrival = StepEvents(("k",)), [], 0
+        events.PER_RANK = 512 if seed % 2 else 3  # half the seeds hit the bound: a rank's oldest arrival goes
         for op in range(150):
             if rng.random() < 0.7:
                 rank, step = rng.randrange(6), rng.randrange(20)
                 event = SimpleNamespace(kind="k", step=step, id=op)
                 events.add(rank, event)
                 arrival += 1
+                mine = [e for e in held if e[2] == rank]
+                if len(mine) >= events.PER_RANK:
+                    held.remove(min(mine, key=lambda e: e[1]))
                 held.append((step, arrival, rank, event))
             else:
                 step = rng.randrange(25)

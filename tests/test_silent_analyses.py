@@ -116,6 +116,57 @@ def test_no_majority_names_every_rank_and_uneven_loaders_name_the_short_ones():
     assert detect(analyses.config_divergence, build(4, 6, events=joined), 4) == []
 
 
+def test_facts_compared_from_their_counts_find_what_a_rank_by_rank_comparison_finds(monkeypatch):
+    """A step whose facts changed is compared rank by rank only when the
+    counts of each group's values show a difference (or a fact some ranks
+    lack): on random histories (groups, facts set and cleared, changes
+    rolled across ranks at different steps) the verdicts and the groups'
+    agreed values are those of the rank-by-rank comparison on every step."""
+    from rankwatch.collector.analyses import config_divergence
+
+    def history(rng):
+        world = rng.randint(2, 6)
+        groups = [rng.choice((DDP4, "ddp:2:00000000000ff", "none")) for _ in range(world)]
+        events = {}
+        for r in range(world):
+            start = {"mode": "train", "clip": "none", "replicas": groups[r], "batches_per_epoch": "20"}
+            if rng.random() < 0.2:
+                start["join"] = "yes"
+            events[(r, 0)] = [facts(0, start)]
+        for _ in range(rng.randint(0, 4)):  # a change, on some ranks, each at its own step
+            key, value = rng.choice((("mode", "eval"), ("clip", "norm 1"), ("batches_per_epoch", "19"),
+                                     ("autocast", "cpu bfloat16"), ("autocast", ""), ("clip", "")))
+            at = rng.randint(1, 8)
+            for r in rng.sample(range(world), rng.randint(1, world)):
+                events.setdefault((r, at + rng.randint(0, 1)), []).append(facts(at, {key: value}))
+        return world, build(world, 12, events=events)
+
+    def outcome(world, items):
+        run = RunState(run_id="r", world_size=world)
+        feed(run, items)
+        found = config_divergence.detect(run, T0 + 1e4, True)
+        agreed = config_divergence.tracker(run, "config_divergence").agreed
+        return [(v.ranks, v.step, v.summary) for v in found], dict(agreed)
+
+    fast_taken = 0
+    for seed in range(300):
+        world, items = history(random.Random(seed))
+        real = config_divergence.Tracker._every_group_agrees
+        calls = []
+
+        def counted(self):
+            calls.append(real(self))
+            return calls[-1]
+        monkeypatch.setattr(config_divergence.Tracker, "_every_group_agrees", counted)
+        from_counts = outcome(world, items)
+        fast_taken += sum(calls)
+        monkeypatch.setattr(config_divergence.Tracker, "_every_group_agrees", lambda self: False)
+        rank_by_rank = outcome(world, items)
+        monkeypatch.setattr(config_divergence.Tracker, "_every_group_agrees", real)
+        assert from_counts == rank_by_rank, seed
+    assert fast_taken > 100  # the counts' road was taken, not only the walk
+
+
 @pytest.mark.parametrize("culprit", [0, 1])
 def test_two_ranks_name_the_one_that_departed_from_what_both_had(culprit):
     """No majority with two ranks: the rank whose mode (or learning rate)

@@ -15,6 +15,7 @@ The culprits are the ranks that differ from the majority; with no majority
 
 from __future__ import annotations
 
+import operator
 import os
 from collections import Counter
 from typing import Optional
@@ -144,6 +145,8 @@ def _verdict_from_entries(run, evidence, present, culprits, how, key, now) -> wi
 
 
 # -- a rank that died inside a collective its peers never issued ---------------
+
+_STEP_OF = operator.attrgetter("step")
 
 _PY_API = {
     "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
@@ -391,7 +394,9 @@ def _from_marks(run: RunState, now: float) -> Optional[wire.Verdict]:
             # scale, where waiting for MARKS_SETTLE_STEPS newer steps kept ~64
             # steps open; or the job hangs, and no newer step ever comes).
             if frontier is None:
-                frontier = min((st.step for r, st in list(run.ranks.items()) if r not in exited), default=0)
+                states = list(run.ranks.values()) if not exited else [
+                    st for r, st in list(run.ranks.items()) if r not in exited]
+                frontier = min(map(_STEP_OF, states), default=0)  # in C: every rank, each analysis pass
             settles = step + MARKS_PASSED_STEPS <= frontier
         if settles:
             marks_of.settle(step)

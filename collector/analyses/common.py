@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import datetime as _dt
 import itertools
 import operator
@@ -368,10 +369,15 @@ def _settle(run, final: bool) -> None:
     if run.durations:
         run.typical_step_s = statistics.median(run.durations)
         run.step_p99_s = percentile(run.durations, 0.99)
+    if not sealer.pending and not sealer.prints:
+        return
     exited = {s.rank for s in run.notable_ranks() if s.exit_code is not None}
     live = [r for r in list(run.ranks) if r not in exited] if exited else list(run.ranks)
-    _seal_steps(run, sealer, live, active, final)
-    _seal_prints(run, sealer, live, active, final)
+    # Each live rank's newest step record, fetched once for both seals (a
+    # walk of every rank per tick: in C, not a generator per rank).
+    reached = np.fromiter(map(sealer.frontier.get, live, itertools.repeat(-1)), np.int64, len(live))
+    _seal_steps(run, sealer, reached, active, final)
+    _seal_prints(run, sealer, live, reached, active, final)
 
 
 def _take_print(sealer: _Sealer, rank: int, item: dict) -> None:
@@ -467,16 +473,11 @@ def record_frontier(run) -> dict[int, int]:
     return sealer.frontier if sealer is not None else {}
 
 
-def _limit(frontier: dict[int, int], live: list[int], pending, lag: int, final: bool) -> int:
-    if final or not live:
-        return max(pending) if pending else -1
-    return min(frontier.get(r, -1) for r in live) - lag
-
-
-def _seal_steps(run, sealer: _Sealer, live: list[int], active: list, final: bool) -> None:
+def _seal_steps(run, sealer: _Sealer, reached: np.ndarray, active: list, final: bool) -> None:
+    """``reached``: each live rank's newest step record (-1: none yet)."""
     if not sealer.pending:
         return
-    limit = _limit(sealer.frontier, live, sealer.pending, SEAL_LAG, final)
+    limit = max(sealer.pending) if final or not len(reached) else int(reached.min()) - SEAL_LAG
     cap = max(MIN_PENDING_STEPS, PENDING_RECORDS // max(1, len(run.ranks)))
     hooks = [t.on_step for t in active if hasattr(t, "on_step")]
     for step in sorted(sealer.pending):
@@ -491,7 +492,7 @@ def _seal_steps(run, sealer: _Sealer, live: list[int], active: list, final: bool
             hook(run, step, records)
 
 
-def _seal_prints(run, sealer: _Sealer, live: list[int], active: list, final: bool) -> None:
+def _seal_prints(run, sealer: _Sealer, live: list[int], reached: np.ndarray, active: list, final: bool) -> None:
     if not sealer.prints:
         return
     # A fingerprint of step p arrives by the rank's record of p + SEAL_LAG (a GPU
@@ -503,7 +504,8 @@ def _seal_prints(run, sealer: _Sealer, live: list[int], active: list, final: boo
     if final or not live:
         limit = max(sealer.prints)
     else:
-        limit = min(max(sealer.print_frontier.get(r, -1), sealer.frontier.get(r, -1) - SEAL_LAG) for r in live)
+        printed = np.fromiter(map(sealer.print_frontier.get, live, itertools.repeat(-1)), np.int64, len(live))
+        limit = int(np.maximum(printed, reached - SEAL_LAG).min())
     hooks = [t.on_prints for t in active if hasattr(t, "on_prints")]
     for step in sorted(sealer.prints):
         if step > limit and len(sealer.prints) <= PENDING_PRINTS:
@@ -513,6 +515,51 @@ def _seal_prints(run, sealer: _Sealer, live: list[int], active: list, final: boo
         for model in sorted(models):
             for hook in hooks:
                 hook(run, step, models[model])
+
+
+class RankRows:
+    """Each rank's row in a tracker's per-rank arrays, in the order ranks
+    were first seen. A step's ranks come in their reports' arrival order, a
+    new order every step, so their rows are looked up as one array
+    operation on a table indexed by rank (ranks are below
+    wire.MAX_WORLD_SIZE): a dict lookup per rank, even in C, cost ~36 ms a
+    100,000-rank step (random access into a 100,000-key dict), the table
+    ~2 ms."""
+
+    def __init__(self) -> None:
+        self.ranks: list[int] = []  # row -> rank
+        self._row_at = np.full(64, -1, np.int64)  # rank -> row, -1: none yet
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+    def get(self, rank: int) -> Optional[int]:
+        row = int(self._row_at[rank]) if 0 <= rank < len(self._row_at) else -1
+        return row if row >= 0 else None
+
+    def rows(self, ranks: list[int]) -> tuple[np.ndarray, list[int]]:
+        """The rows of ``ranks`` (distinct, >= 0), in their order, and the
+        ranks among them seen for the first time: they got the next rows,
+        len(self) - len(new) onwards, in their order."""
+        at = np.fromiter(ranks, np.int64, len(ranks))
+        if not len(at):
+            return at, []
+        top = int(at.max())
+        if top >= len(self._row_at):
+            grown = np.full(max(top + 1, 2 * len(self._row_at)), -1, np.int64)
+            grown[:len(self._row_at)] = self._row_at
+            self._row_at = grown
+        rows = self._row_at[at]
+        missing = np.flatnonzero(rows < 0)
+        if not len(missing):
+            return rows, []
+        start = len(self.ranks)
+        fresh = np.arange(start, start + len(missing))
+        self._row_at[at[missing]] = fresh
+        rows[missing] = fresh
+        new = at[missing].tolist()
+        self.ranks.extend(new)
+        return rows, new
 
 
 def peer_medians_of(given: np.ndarray) -> np.ndarray:
@@ -542,71 +589,71 @@ def median(values) -> float:
 
 
 class StepEvents:
-    """Events of some kinds, held per rank until their step is sealed: a
-    rank's event for step s always arrives before its record of step s + 1,
-    and a step is sealed only once every live rank sent a later one, so at
-    the seal of s every rank's events up to s are in, live and offline
-    alike (the silent-error analyses read them there). Bounded per rank;
-    O(1) per sealed step while nothing is due."""
+    """Events of some kinds, held until their step is sealed: a rank's event
+    for step s always arrives before its record of step s + 1, and a step is
+    sealed only once every live rank sent a later one, so at the seal of s
+    every rank's events up to s are in, live and offline alike (the
+    silent-error analyses read them there). Held by step, so a seal costs
+    what is due, not a walk of every rank holding something (every rank's
+    start-up facts, due at as many steps as a cold start spreads them over:
+    100,000 ranks walked per sealed step). Bounded per rank (its oldest
+    arrival goes first); O(1) per sealed step while nothing is due."""
 
     PER_RANK = 512
 
     def __init__(self, kinds: tuple[str, ...]) -> None:
         self.kinds = kinds
-        self.pending: dict[int, list[tuple[int, int, Any]]] = {}
+        self.by_step: dict[int, list[tuple[int, int, Any]]] = {}  # step -> [(arrival, rank, event)]
+        self._held: dict[int, collections.deque] = {}  # rank -> (step, arrival) of its held events, in arrival order
+        self._dropped: set[int] = set()  # arrivals pushed out by PER_RANK, still in by_step
         self._seq = 0
-        self._count = 0
-        self._min_step: Optional[int] = None
-        self._max_step: Optional[int] = None  # an upper bound of the pending steps (exact after a full drain)
 
     def add(self, rank: int, event) -> None:
         if event.kind not in self.kinds:
             return
         step = event.step if isinstance(event.step, int) and event.step >= 0 else 0
-        queue = self.pending.setdefault(rank, [])
-        if len(queue) >= self.PER_RANK:
-            del queue[0]
-            self._count -= 1
+        held = self._held.get(rank)
+        if held is None:
+            held = self._held[rank] = collections.deque()
+        if len(held) >= self.PER_RANK:
+            self._dropped.add(held.popleft()[1])
         self._seq += 1
-        queue.append((step, self._seq, event))
-        self._count += 1
-        if self._min_step is None or step < self._min_step:
-            self._min_step = step
-        if self._max_step is None or step > self._max_step:
-            self._max_step = step
+        held.append((step, self._seq))
+        at_step = self.by_step.get(step)
+        if at_step is None:
+            at_step = self.by_step[step] = []
+        at_step.append((self._seq, rank, event))
 
     def due(self, step: int) -> list[tuple[int, Any]]:
         """(rank, event) of every event up to ``step``, in step then arrival order."""
-        if not self._count or self._min_step is None or step < self._min_step:
+        if not self.by_step:
             return []
-        if self._max_step is not None and step >= self._max_step:
-            # Every pending event is due (every rank's start-up facts, at the
-            # seal of their step): taken whole, with no per-rank split.
-            out = [(s, seq, rank, e) for rank, queue in self.pending.items() for s, seq, e in queue]
-            self.pending.clear()
-            self._count, self._min_step, self._max_step = 0, None, None
-            out.sort(key=_STEP_THEN_ARRIVAL)
-            return [(rank, e) for _, _, rank, e in out]
-        out = []
-        lowest: Optional[int] = None
-        for rank in [r for r, q in self.pending.items() if q]:
-            queue = self.pending[rank]
-            ready = [item for item in queue if item[0] <= step]
-            rest = [item for item in queue if item[0] > step]
+        steps = sorted(s for s in self.by_step if s <= step)
+        if not steps:
+            return []
+        out: list[tuple[int, Any]] = []
+        ranks: set[int] = set()
+        dropped = self._dropped
+        for s in steps:
+            items = self.by_step.pop(s)
+            if dropped:
+                kept = [item for item in items if item[0] not in dropped]
+                dropped.difference_update(item[0] for item in items)
+                items = kept
+            out.extend(map(_RANK_AND_EVENT, items))
+            ranks.update(map(_RANK_OF_HELD, items))
+        for rank in ranks:  # what each rank still holds: its events of later steps
+            rest = collections.deque(item for item in self._held[rank] if item[0] > step)
             if rest:
-                self.pending[rank] = rest
-                low = min(item[0] for item in rest)
-                lowest = low if lowest is None else min(lowest, low)
+                self._held[rank] = rest
             else:
-                del self.pending[rank]
-            out.extend((s, seq, rank, e) for s, seq, e in ready)
-        self._count -= len(out)
-        self._min_step = lowest
-        out.sort(key=_STEP_THEN_ARRIVAL)
-        return [(rank, e) for _, _, rank, e in out]
+                del self._held[rank]
+        return out
 
 
-_STEP_THEN_ARRIVAL = operator.itemgetter(0, 1)
+_RANK_AND_EVENT = operator.itemgetter(1, 2)
+_RANK_OF_HELD = operator.itemgetter(1)
+
 
 
 def _details_pairs(details: Any, key: str) -> dict[str, str]:

@@ -100,6 +100,11 @@ class Tracker:
         # (group, fact) -> the value every rank of the group last agreed on: the
         # run's own history, which breaks a tie between two ranks.
         self.agreed: dict[tuple[str, str], str] = {}
+        # How many ranks hold each value of each fact, per group; and each
+        # group's ranks with facts: a step whose facts changed is compared
+        # rank by rank only when some fact has two values or is missing.
+        self._values: dict[tuple[str, str], dict[str, int]] = {}
+        self._group_sizes: dict[str, int] = {}
 
     def on_event(self, run: RunState, rank: int, event: wire.Event) -> None:
         self.events.add(rank, event)
@@ -112,20 +117,31 @@ class Tracker:
                 self._finding(run, *deferred)  # the parameters differed from that step: replicas after all
 
     def on_step(self, run: RunState, step: int, records: dict[int, wire.StepRecord]) -> None:
+        first: dict[int, list] = {}  # id(told) -> [its facts, ranks that start with them, told]
         for rank, event in self.events.due(step):
             told = event_pairs(event.details, "facts")
             facts = self.facts.get(rank)
-            if facts is None:  # a rank's first facts (every rank's at start-up): one C-level pass
-                self.facts[rank] = {key: value for key, value in told.items() if value}
+            if facts is None:
+                # A rank's first facts (every rank's at start-up, most of them one
+                # shared object): filtered once per object, tallied once per object.
+                entry = first.get(id(told))
+                if entry is None:
+                    entry = first[id(told)] = [{key: value for key, value in told.items() if value}, 0, told]
+                self.facts[rank] = dict(entry[0])
+                entry[1] += 1
             else:
+                self._tally(facts, -1)
                 for key, value in told.items():
                     if value:
                         facts[key] = value
                     else:
                         facts.pop(key, None)
+                self._tally(facts, 1)
             self.sites.setdefault(rank, {}).update(event_pairs(event.details, "sites"))
             self.changed = True
             self._facts_version += 1
+        for facts, ranks, _ in first.values():
+            self._tally(facts, ranks)
         if self.finding is not None:
             return
         groups = self._groups_of_records(records)
@@ -157,7 +173,9 @@ class Tracker:
                 self.agreed[(group, OPTIMIZER)] = f"#{next(iter(optim.values())):013x}"
                 if len(lrs) == len(optim):
                     self.agreed[(group, "lr")] = f"{next(iter(lrs.values())):.6g}"
-        if self.changed or self._slow is not None:
+        if self._slow is None and self.changed and self._every_group_agrees():
+            self.changed = False  # nothing differs anywhere: no walk of every rank
+        elif self.changed or self._slow is not None:
             # Facts as of this step: every rank that has reached it (at scale a
             # sealed step holds only the ranks whose sampled records include it).
             self.changed = False
@@ -178,6 +196,42 @@ class Tracker:
             self._slow = None
         if found:
             self._finding(run, step, records, found)
+
+    def _tally(self, facts: dict[str, str], ranks: int) -> None:
+        """Count ``ranks`` ranks holding ``facts`` in (negative: no longer)."""
+        group = facts.get("replicas", "none")
+        self._group_sizes[group] = self._group_sizes.get(group, 0) + ranks
+        for key, value in facts.items():
+            counts = self._values.get((group, key))
+            if counts is None:
+                counts = self._values[(group, key)] = {}
+            held = counts.get(value, 0) + ranks
+            if held:
+                counts[value] = held
+            else:
+                del counts[value]
+                if not counts:
+                    del self._values[(group, key)]
+
+    def _every_group_agrees(self) -> bool:
+        """Every rank of each group holds every compared fact, with one value:
+        what `_compare` would find nothing in, known from the counts alone
+        (O(facts), not O(ranks)). Then the groups' agreed values are noted as
+        `_compare` notes them; otherwise the caller compares rank by rank."""
+        agreed = {}
+        for (group, key), counts in self._values.items():
+            if key in NOT_COMPARED or (key == "batches_per_epoch" and "yes" in self._values.get((group, "join"), ())):
+                continue
+            size = self._group_sizes.get(group, 0)
+            if len(counts) != 1:
+                return False
+            (value, held), = counts.items()
+            if held != size:
+                return False
+            if size >= 2:
+                agreed[(group, key)] = value
+        self.agreed.update(agreed)
+        return True
 
     def _group_key(self, rank: int) -> str:
         facts = self.facts.get(rank)

@@ -44,7 +44,7 @@ import numpy as np
 from rankwatch import wire
 
 from ..state import RunState
-from .common import margins, note_margin, peer_medians_of, ranks_text, register_tracker, settle, tracker, verdict
+from .common import RankRows, margins, note_margin, peer_medians_of, ranks_text, register_tracker, settle, tracker, verdict
 
 RATIO = 10.0  # times the peers' median, the rank's own median and the run's median
 MAD_SCALE = 1.4826
@@ -71,7 +71,7 @@ class _Histories:
     taken of a rank's norms, so their order in the ring does not matter."""
 
     def __init__(self) -> None:
-        self.column: dict[int, int] = {}
+        self.column = RankRows()  # rank -> column, in the order ranks were first seen
         self.values = np.zeros((HISTORY, 64))
         self.count = np.zeros(64, np.int64)
         self._last: Optional[tuple[list[int], np.ndarray]] = None  # (a step's ranks, their columns)
@@ -90,20 +90,15 @@ class _Histories:
 
     def _columns(self, ranks: list[int]) -> np.ndarray:
         """The columns of ``ranks`` (distinct), made for new ranks; reused
-        while a step's ranks come as the last one's did (a lookup per rank
-        cost ~35 ms a 100,000-rank step on a slow machine)."""
+        while a step's ranks come as the last one's did."""
         last = self._last
         if last is not None and last[0] == ranks:
             return last[1]
-        column = self.column
-        for rank in ranks:
-            if rank not in column:
-                column[rank] = len(column)
-        if len(column) > len(self.count):
-            width = max(len(column), 2 * len(self.count))
+        at, new = self.column.rows(ranks)
+        if len(self.column) > len(self.count):
+            width = max(len(self.column), 2 * len(self.count))
             self.values = np.concatenate([self.values, np.zeros((HISTORY, width - len(self.count)))], axis=1)
             self.count = np.concatenate([self.count, np.zeros(width - len(self.count), np.int64)])
-        at = np.fromiter(map(column.__getitem__, ranks), np.int64, len(ranks))
         self._last = (ranks, at)
         return at
 

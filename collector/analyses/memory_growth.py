@@ -18,7 +18,7 @@ from rankwatch import wire
 from rankwatch.memory_snapshot import human
 
 from ..state import RunState
-from .common import note_margin, ranks_text, register_tracker, settle, tracker, verdict
+from .common import RankRows, note_margin, ranks_text, register_tracker, settle, tracker, verdict
 
 SKIP_FIRST = 5
 MIN_STEPS = 15
@@ -73,8 +73,8 @@ class Window:
     a quarter of sealing a 10,000-rank step."""
 
     def __init__(self) -> None:
-        self.rows: dict[int, int] = {}  # rank -> row, in the order ranks were first seen
-        self.ranks: list[int] = []  # row -> rank
+        self.rows = RankRows()  # rank -> row, in the order ranks were first seen
+        self.ranks = self.rows.ranks  # row -> rank
         self.changes = 0  # counts the steps added and the rows made
         self._ends_of: Optional[tuple[int, tuple]] = None
         self._grow(64)
@@ -92,27 +92,23 @@ class Window:
         self.steps, self.values, self.times = steps, values, times
         self.head, self.count, self.ups, self.before, self.slid = head, count, ups, before, slid
 
-    def rows_of(self, ranks: list[int], before: dict[int, float]) -> list[int]:
+    def rows_of(self, ranks: list[int], before: dict[int, float]) -> np.ndarray:
         """The rows of ``ranks`` (distinct), in their order. New ranks get the
         next rows, all at once, their value before the window popped from
         ``before`` (none: nan); a row made per rank cost ~0.25 s the first
         steady step of a 100,000-rank cold start on a slow machine."""
-        known = self.rows
-        rows = [known.get(rank, -1) for rank in ranks]
-        if -1 not in rows:
+        rows, new = self.rows.rows(ranks)
+        if not new:
             return rows
-        new = [rank for rank, row in zip(ranks, rows) if row < 0]
-        start, end = len(self.ranks), len(self.ranks) + len(new)
+        start, end = len(self.ranks) - len(new), len(self.ranks)
         size = len(self.count)
         while size < end:
             size *= 2
         if size > len(self.count):
             self._grow(size)
-        known.update(zip(new, range(start, end)))
         self.changes += 1
-        self.ranks.extend(new)
         self.before[start:end] = np.array([before.pop(rank, None) for rank in new], float)  # None -> nan
-        return list(map(known.__getitem__, ranks))
+        return rows
 
     def add(self, rows: np.ndarray, step: int, values: np.ndarray, at: np.ndarray) -> None:
         """One step's points of ``rows`` (distinct)."""
@@ -311,7 +307,7 @@ class Tracker:
         last = self._last_rows.get(field)
         if last is not None and last[0] == ranks:
             return last[1]
-        found = np.array(self.series[field].rows_of(ranks, self.before[field]), np.int64)
+        found = self.series[field].rows_of(ranks, self.before[field])
         self._last_rows[field] = (ranks, found)
         return found
 
