@@ -133,6 +133,22 @@ def test_weight_divergence_compares_parameters_not_buffers():
     assert len({id(fp["names"]) for fp in prints}) == 1
 
 
+def test_a_freed_name_lists_id_does_not_pass_its_selection_to_another_list():
+    """The tensors compared are read once per names list, kept by the list's
+    id. A list freed, and another list given its id (CPython reuses them),
+    must get its own reading: with the freed list's, BatchNorm statistics
+    were compared as parameters (a false alarm) or parameters skipped."""
+    from rankwatch.collector.analyses.weight_divergence import Tracker
+
+    tracker = Tracker()
+    params_only = ["param:0.weight", "param:0.bias"]
+    with_buffer = ["param:0.weight", "buffer:1.running_mean"]
+    # What a freed list with the same id as `with_buffer` left behind: "compare everything".
+    tracker._selection[id(with_buffer)] = (params_only, None)
+    assert tracker._values({"names": with_buffer, "norms": [1.0, 0.5]}) == ((1.0,), None)
+    assert tracker._values({"names": params_only, "norms": [1.0, 0.5]}) == ((1.0, 0.5), None)
+
+
 def test_weight_divergence_waits_for_a_majority_when_the_reference_rank_skipped_a_step():
     """3 ranks, rank 1 perturbed. Rank 0 (busy) sampled out one fingerprint
     step: ranks 1 and 2 alone tie, and neither is the reference. That step

@@ -43,7 +43,7 @@ themselves), and the report's notes say so (collector/report.py).
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Optional
 
 from rankwatch import wire
 
@@ -101,7 +101,7 @@ class Tracker:
 
     def __init__(self) -> None:
         self.finding: Optional[dict] = None
-        self._selection: dict[int, Optional[list[int]]] = {}  # id(names list) -> compared indices
+        self._selection: dict[int, tuple[Any, Optional[list[int]]]] = {}  # id(names) -> (names, compared indices)
         self.replicas: Optional[bool] = None  # without DDP: are the ranks replicas (start fingerprint)?
         self.unreduced: Optional[dict] = None
         self._events = StepEvents(("unreduced_backward",))
@@ -135,10 +135,15 @@ class Tracker:
         if not isinstance(norms, list):
             return None
         names = fp.get("names")
-        key = id(names)
-        if key not in self._selection:
-            self._selection[key] = _compared(names)
-        keep = self._selection[key]
+        # Each names list (one per rank and model, shared by its prints) is
+        # read once. The entry holds the list: an id is not that list's once
+        # it is freed, and another list may get it.
+        entry = self._selection.get(id(names))
+        if entry is None or entry[0] is not names:
+            if len(self._selection) >= wire.MAX_WORLD_SIZE:
+                self._selection.clear()
+            entry = self._selection[id(names)] = (names, _compared(names))
+        keep = entry[1]
         sums = _sums(fp)
         if keep is None:
             return tuple(norms), (tuple(sums) if sums is not None else None)
