@@ -642,18 +642,21 @@ class StepEvents:
                 items = kept
             out.extend(map(_RANK_AND_EVENT, items))
             ranks.update(map(_RANK_OF_HELD, items))
+        held = self._held
         for rank in ranks:  # what each rank still holds: its events of later steps
-            rest = collections.deque(item for item in self._held[rank] if item[0] > step)
+            if len(held[rank]) == 1:  # the one just taken (every rank's start-up facts)
+                del held[rank]
+                continue
+            rest = collections.deque(item for item in held[rank] if item[0] > step)
             if rest:
-                self._held[rank] = rest
+                held[rank] = rest
             else:
-                del self._held[rank]
+                del held[rank]
         return out
 
 
 _RANK_AND_EVENT = operator.itemgetter(1, 2)
 _RANK_OF_HELD = operator.itemgetter(1)
-
 
 
 def _details_pairs(details: Any, key: str) -> dict[str, str]:

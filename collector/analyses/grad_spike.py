@@ -44,7 +44,8 @@ import numpy as np
 from rankwatch import wire
 
 from ..state import RunState
-from .common import RankRows, margins, note_margin, peer_medians_of, ranks_text, register_tracker, settle, tracker, verdict
+from .common import (RankRows, margins, note_margin, peer_medians_of, ranks_text, register_tracker, settle, tracker,
+                     verdict)
 
 RATIO = 10.0  # times the peers' median, the rank's own median and the run's median
 MAD_SCALE = 1.4826
