@@ -785,12 +785,15 @@ def test_rank_rows_give_each_rank_one_row_in_first_seen_order():
         assert new == first_seen
         assert table.ranks == sorted(expected, key=expected.get) and len(table) == len(expected)
     assert table.get(999_999_999) is None and table.get(-1) is None
+    with pytest.raises(ValueError):
+        table.rows([3, -1])
     assert all(table.get(r) == row for r, row in expected.items())
 
 
 def test_step_events_due_is_every_event_up_to_the_step_in_step_then_arrival_order():
     """`StepEvents.due` against the rule it keeps, on random adds and seals,
-    with and without its per-rank bound pushing out a rank's oldest event."""
+    with and without its per-rank bound pushing out a rank's oldest event
+    (then no longer held: the bound bounds memory)."""
     from types import SimpleNamespace
 
     from rankwatch.collector.analyses.common import StepEvents
@@ -809,6 +812,7 @@ def test_step_events_due_is_every_event_up_to_the_step_in_step_then_arrival_orde
                 if len(mine) >= events.PER_RANK:
                     held.remove(min(mine, key=lambda e: e[1]))
                 held.append((step, arrival, rank, event))
+                assert events.held() == len(held), (seed, op)  # what the bound drops is gone, not marked
             else:
                 step = rng.randrange(25)
                 expected = sorted((e for e in held if e[0] <= step), key=lambda e: (e[0], e[1]))

@@ -119,27 +119,56 @@ def test_no_majority_names_every_rank_and_uneven_loaders_name_the_short_ones():
 def test_facts_compared_from_their_counts_find_what_a_rank_by_rank_comparison_finds(monkeypatch):
     """A step whose facts changed is compared rank by rank only when the
     counts of each group's values show a difference (or a fact some ranks
-    lack): on random histories (groups, facts set and cleared, changes
-    rolled across ranks at different steps) the verdicts and the groups'
-    agreed values are those of the rank-by-rank comparison on every step."""
+    lack, or a rank with facts behind the step): on random histories
+    (groups, start-up facts shared by ranks as decoding shares them, facts
+    set and cleared, changes rolled across ranks at different steps or at
+    the start-up step itself, ranks whose records stop early) the verdicts
+    and the groups' agreed values are those of the rank-by-rank comparison
+    on every step, and the counts are a recount of the facts after each."""
+    from collections import Counter
+
     from rankwatch.collector.analyses import config_divergence
 
     def history(rng):
         world = rng.randint(2, 6)
         groups = [rng.choice((DDP4, "ddp:2:00000000000ff", "none")) for _ in range(world)]
+        shared: dict[tuple, wire.Event] = {}
         events = {}
         for r in range(world):
             start = {"mode": "train", "clip": "none", "replicas": groups[r], "batches_per_epoch": "20"}
             if rng.random() < 0.2:
                 start["join"] = "yes"
-            events[(r, 0)] = [facts(0, start)]
+            key = tuple(sorted(start.items()))
+            if key not in shared:  # ranks with the same start-up facts get the same object
+                shared[key] = facts(0, start)
+            events[(r, 0)] = [shared[key]]
         for _ in range(rng.randint(0, 4)):  # a change, on some ranks, each at its own step
             key, value = rng.choice((("mode", "eval"), ("clip", "norm 1"), ("batches_per_epoch", "19"),
-                                     ("autocast", "cpu bfloat16"), ("autocast", ""), ("clip", "")))
-            at = rng.randint(1, 8)
+                                     ("autocast", "cpu bfloat16"), ("autocast", ""), ("clip", ""),
+                                     ("replicas", "ddp:2:00000000000ff")))
+            at = rng.randint(0, 8)
             for r in rng.sample(range(world), rng.randint(1, world)):
                 events.setdefault((r, at + rng.randint(0, 1)), []).append(facts(at, {key: value}))
-        return world, build(world, 12, events=events)
+        stops = {r: rng.randint(1, 11) for r in range(world) if rng.random() < 0.25}  # records end early
+        items = [item for item in build(world, 12, events=events)
+                 if not (item[1] == "step" and item[0] in stops and item[2].step > stops[item[0]])]
+        return world, items
+
+    def recount(tracker):
+        counts: dict[tuple, Counter] = {}
+        for held in tracker.facts.values():
+            group = held.get("replicas", "none")
+            for key, value in held.items():
+                counts.setdefault((group, key), Counter())[value] += 1
+        return {k: dict(c) for k, c in counts.items()}, dict(Counter(f.get("replicas", "none")
+                                                                     for f in tracker.facts.values()))
+
+    real_on_step = config_divergence.Tracker.on_step
+
+    def checked_on_step(self, run, step, records):
+        real_on_step(self, run, step, records)
+        assert (self._values, self._group_sizes) == recount(self)
+    monkeypatch.setattr(config_divergence.Tracker, "on_step", checked_on_step)
 
     def outcome(world, items):
         run = RunState(run_id="r", world_size=world)
@@ -148,21 +177,20 @@ def test_facts_compared_from_their_counts_find_what_a_rank_by_rank_comparison_fi
         agreed = config_divergence.tracker(run, "config_divergence").agreed
         return [(v.ranks, v.step, v.summary) for v in found], dict(agreed)
 
+    real = config_divergence.Tracker._every_group_agrees
     fast_taken = 0
-    for seed in range(300):
+    for seed in range(400):
         world, items = history(random.Random(seed))
-        real = config_divergence.Tracker._every_group_agrees
         calls = []
 
-        def counted(self):
-            calls.append(real(self))
+        def counted(self, frontier, step):
+            calls.append(real(self, frontier, step))
             return calls[-1]
         monkeypatch.setattr(config_divergence.Tracker, "_every_group_agrees", counted)
         from_counts = outcome(world, items)
         fast_taken += sum(calls)
-        monkeypatch.setattr(config_divergence.Tracker, "_every_group_agrees", lambda self: False)
+        monkeypatch.setattr(config_divergence.Tracker, "_every_group_agrees", lambda self, frontier, step: False)
         rank_by_rank = outcome(world, items)
-        monkeypatch.setattr(config_divergence.Tracker, "_every_group_agrees", real)
         assert from_counts == rank_by_rank, seed
     assert fast_taken > 100  # the counts' road was taken, not only the walk
 

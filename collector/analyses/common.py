@@ -544,6 +544,8 @@ class RankRows:
         at = np.fromiter(ranks, np.int64, len(ranks))
         if not len(at):
             return at, []
+        if int(at.min()) < 0:  # ingest admits none (wire's rank range); a negative index would wrap
+            raise ValueError(f"rank {int(at.min())} < 0")
         top = int(at.max())
         if top >= len(self._row_at):
             grown = np.full(max(top + 1, 2 * len(self._row_at)), -1, np.int64)
@@ -596,16 +598,18 @@ class StepEvents:
     silent-error analyses read them there). Held by step, so a seal costs
     what is due, not a walk of every rank holding something (every rank's
     start-up facts, due at as many steps as a cold start spreads them over:
-    100,000 ranks walked per sealed step). Bounded per rank (its oldest
-    arrival goes first); O(1) per sealed step while nothing is due."""
+    100,000 ranks walked per sealed step). Bounded per rank: past PER_RANK
+    held, a rank's oldest arrival is dropped. O(1) per sealed step while
+    nothing is due."""
 
     PER_RANK = 512
 
     def __init__(self, kinds: tuple[str, ...]) -> None:
         self.kinds = kinds
-        self.by_step: dict[int, list[tuple[int, int, Any]]] = {}  # step -> [(arrival, rank, event)]
+        # step -> {arrival: (rank, event)}, in arrival order (dicts keep it)
+        self.by_step: dict[int, dict[int, tuple[int, Any]]] = {}
         self._held: dict[int, collections.deque] = {}  # rank -> (step, arrival) of its held events, in arrival order
-        self._dropped: set[int] = set()  # arrivals pushed out by PER_RANK, still in by_step
+        self._lowest: Optional[int] = None  # the lowest step held
         self._seq = 0
 
     def add(self, rank: int, event) -> None:
@@ -616,34 +620,36 @@ class StepEvents:
         if held is None:
             held = self._held[rank] = collections.deque()
         if len(held) >= self.PER_RANK:
-            self._dropped.add(held.popleft()[1])
+            old_step, old_seq = held.popleft()
+            at_old = self.by_step[old_step]
+            del at_old[old_seq]
+            if not at_old:
+                del self.by_step[old_step]
+                if old_step == self._lowest:
+                    self._lowest = min(self.by_step, default=None)
         self._seq += 1
         held.append((step, self._seq))
         at_step = self.by_step.get(step)
         if at_step is None:
-            at_step = self.by_step[step] = []
-        at_step.append((self._seq, rank, event))
+            at_step = self.by_step[step] = {}
+        at_step[self._seq] = (rank, event)
+        if self._lowest is None or step < self._lowest:
+            self._lowest = step
+
+    def held(self) -> int:
+        """How many events are held."""
+        return sum(map(len, self.by_step.values()))
 
     def due(self, step: int) -> list[tuple[int, Any]]:
         """(rank, event) of every event up to ``step``, in step then arrival order."""
-        if not self.by_step:
-            return []
-        steps = sorted(s for s in self.by_step if s <= step)
-        if not steps:
+        if self._lowest is None or step < self._lowest:
             return []
         out: list[tuple[int, Any]] = []
-        ranks: set[int] = set()
-        dropped = self._dropped
-        for s in steps:
-            items = self.by_step.pop(s)
-            if dropped:
-                kept = [item for item in items if item[0] not in dropped]
-                dropped.difference_update(item[0] for item in items)
-                items = kept
-            out.extend(map(_RANK_AND_EVENT, items))
-            ranks.update(map(_RANK_OF_HELD, items))
+        for s in sorted(s for s in self.by_step if s <= step):
+            out.extend(self.by_step.pop(s).values())
+        self._lowest = min(self.by_step, default=None)
         held = self._held
-        for rank in ranks:  # what each rank still holds: its events of later steps
+        for rank in {rank for rank, _ in out}:  # what each rank still holds: its events of later steps
             if len(held[rank]) == 1:  # the one just taken (every rank's start-up facts)
                 del held[rank]
                 continue
@@ -653,10 +659,6 @@ class StepEvents:
             else:
                 del held[rank]
         return out
-
-
-_RANK_AND_EVENT = operator.itemgetter(1, 2)
-_RANK_OF_HELD = operator.itemgetter(1)
 
 
 def _details_pairs(details: Any, key: str) -> dict[str, str]:

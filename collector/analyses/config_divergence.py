@@ -27,6 +27,7 @@ differ on two sealed steps in a row.
 
 from __future__ import annotations
 
+import itertools
 import operator
 from typing import Any, Optional
 
@@ -173,13 +174,13 @@ class Tracker:
                 self.agreed[(group, OPTIMIZER)] = f"#{next(iter(optim.values())):013x}"
                 if len(lrs) == len(optim):
                     self.agreed[(group, "lr")] = f"{next(iter(lrs.values())):.6g}"
-        if self._slow is None and self.changed and self._every_group_agrees():
+        frontier = record_frontier(run)  # each rank's newest step record
+        if self._slow is None and self.changed and self._every_group_agrees(frontier, step):
             self.changed = False  # nothing differs anywhere: no walk of every rank
         elif self.changed or self._slow is not None:
             # Facts as of this step: every rank that has reached it (at scale a
             # sealed step holds only the ranks whose sampled records include it).
             self.changed = False
-            frontier = record_frontier(run)  # each rank's newest step record
             reached = {r: None for r in self.facts if frontier.get(r, -1) >= step}
             self._deferred_values = None
             for ranks in self._groups(reached):
@@ -200,7 +201,11 @@ class Tracker:
     def _tally(self, facts: dict[str, str], ranks: int) -> None:
         """Count ``ranks`` ranks holding ``facts`` in (negative: no longer)."""
         group = facts.get("replicas", "none")
-        self._group_sizes[group] = self._group_sizes.get(group, 0) + ranks
+        size = self._group_sizes.get(group, 0) + ranks
+        if size:
+            self._group_sizes[group] = size
+        else:
+            del self._group_sizes[group]  # a group no rank is in any more (its name is the agent's text)
         for key, value in facts.items():
             counts = self._values.get((group, key))
             if counts is None:
@@ -213,11 +218,17 @@ class Tracker:
                 if not counts:
                     del self._values[(group, key)]
 
-    def _every_group_agrees(self) -> bool:
-        """Every rank of each group holds every compared fact, with one value:
-        what `_compare` would find nothing in, known from the counts alone
-        (O(facts), not O(ranks)). Then the groups' agreed values are noted as
-        `_compare` notes them; otherwise the caller compares rank by rank."""
+    def _every_group_agrees(self, frontier: dict[int, int], step: int) -> bool:
+        """Every rank of each group holds every compared fact, with one value,
+        and every rank with facts has reached ``step``: what `_compare` of the
+        ranks that reached it would find nothing in, known from the counts
+        (O(facts) and one pass in C, not a walk per rank). Then the groups'
+        agreed values are noted as `_compare` notes them; otherwise the
+        caller compares rank by rank. (The counts are of every rank with
+        facts; the comparison is of the ranks that reached the step: with a
+        rank behind, exited or not yet heard, they could differ.)"""
+        if min(map(frontier.get, self.facts, itertools.repeat(-1)), default=step) < step:
+            return False
         agreed = {}
         for (group, key), counts in self._values.items():
             if key in NOT_COMPARED or (key == "batches_per_epoch" and "yes" in self._values.get((group, "join"), ())):
