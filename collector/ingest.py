@@ -135,10 +135,10 @@ def with_names(fingerprints: list[dict[str, Any]], known) -> list[dict[str, Any]
     last: dict[int, Any] = {}
     for fp in known:
         if "names" in fp:
-            last[_model(fp)] = fp["names"]
+            last[wire.fingerprint_model(fp)] = fp["names"]
     out = []
     for fp in fingerprints:
-        names, model = fp.get("names"), _model(fp)
+        names, model = fp.get("names"), wire.fingerprint_model(fp)
         if isinstance(names, (list, tuple)):
             last[model] = names
         elif last.get(model) is not None:
@@ -147,10 +147,3 @@ def with_names(fingerprints: list[dict[str, Any]], known) -> list[dict[str, Any]
             continue
         out.append(fp)
     return out
-
-
-def _model(fingerprint: dict[str, Any]) -> int:
-    """Which of the rank's fingerprinted models a print is of (0 when the
-    agent leaves it out)."""
-    model = fingerprint.get("model", 0)
-    return model if type(model) is int else 0

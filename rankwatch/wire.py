@@ -687,6 +687,14 @@ def checksums_ok(sums, count: int) -> bool:
     return type(sums) is list and len(sums) == count and all(type(v) is int and 0 <= v <= 0xFFFFFFFF for v in sums)
 
 
+def fingerprint_model(fingerprint: dict) -> int:
+    """Which of a rank's fingerprinted models a print is of (a GAN's generator
+    and discriminator): its `model`, 0 when the agent leaves it out or sends
+    something else (the relay, ingest and the analyses read it alike)."""
+    model = fingerprint.get("model", 0)
+    return model if type(model) is int else 0
+
+
 def _fingerprints(value, path):
     """Parameter fingerprints (free-form in the dataclass): step, names, norms,
     and optionally one bit checksum per norm (`sums`, agent/checks/fingerprints.py)."""

@@ -387,8 +387,7 @@ def _take_print(sealer: _Sealer, rank: int, item: dict) -> None:
     # One rank's prints of one step, per model (a job with two DDP models, a
     # GAN, prints each; a rank may sample one out): each is compared
     # with the same model's on the other ranks, never with another's.
-    model = item.get("model", 0)
-    sealer.prints.setdefault(step, {}).setdefault(model if type(model) is int else 0, {})[rank] = item
+    sealer.prints.setdefault(step, {}).setdefault(wire.fingerprint_model(item), {})[rank] = item
     if step > sealer.print_frontier.get(rank, -1):
         sealer.print_frontier[rank] = step
 

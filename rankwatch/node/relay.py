@@ -109,8 +109,7 @@ class StepSampler:
             if type(step) is not int or (prints and item.get("at") is not None):
                 kept.append(item)
                 continue
-            model = item.get("model", 0) if prints else 0
-            model = model if type(model) is int else 0
+            model = wire.fingerprint_model(item) if prints else 0
             key = (kind, rank, model)
             previous = self._last_step.get(key)
             if previous is None and len(self._last_step) >= MAX_PERIODIC_KEYS:
