@@ -6,12 +6,13 @@ health probe, slow clients cut off)."""
 from __future__ import annotations
 
 import gc
-import json
 import socket
+import sys
 import threading
 import time
 import urllib.error
 import urllib.request
+import weakref
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -251,3 +252,52 @@ def test_relay_sends_one_report_per_node_and_brings_commands_back(collector):
             stranger.post("/v1/heartbeat", b"{}")
     finally:
         relay.stop()
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 14), reason="3.14's collector has no middle generation to leave alone")
+def test_a_big_job_s_collector_collects_only_the_youngest_generation_on_its_own(tmp_path, monkeypatch):
+    """Past GC_MANUAL_RANKS a heartbeat's records (alive a second or more)
+    are scanned once, by the young collections, not again by the middle
+    generation's; cycles that outlive a young collection are freed by the
+    collector's own full collection; a collector that stops hands the
+    process's thresholds back."""
+    from rankwatch.collector import service
+
+    monkeypatch.setattr(service, "GC_MANUAL_RANKS", 2)
+    before = gc.get_threshold()
+    c = Collector(config=Config(), data_dir=tmp_path)
+    seen: list[int] = []
+
+    def note(phase, info):
+        if phase == "start":
+            seen.append(info["generation"])
+
+    try:
+        for rank in range(2):
+            c.ingest_heartbeat(wire.Heartbeat(identity=wire.RankIdentity(run_id="big", rank=rank, local_rank=rank,
+                                                                         world_size=2),
+                                             sent_at=time.time()))
+        now = time.time()
+        c._collect_garbage(now)
+
+        class Node:
+            pass
+
+        cycle = Node()
+        cycle.me = cycle
+        alive = weakref.ref(cycle)
+        gc.callbacks.append(note)
+        try:
+            kept = [[i] for i in range(50 * before[0] * before[1])]  # survivors: many young collections' worth
+            del cycle
+            kept += [[i] for i in range(50 * before[0] * before[1])]
+        finally:
+            gc.callbacks.remove(note)
+        assert seen and set(seen) == {0}, sorted(set(seen))
+        assert alive() is not None  # outlived a young collection: left for the full one
+        c._collect_garbage(now + service.FULL_GC_INTERVAL)
+        assert alive() is None
+        del kept
+    finally:
+        c.stop()
+    assert gc.get_threshold() == before
