@@ -57,19 +57,25 @@ class Admission:
         c = self.config
         return max(c.min_slots, min(c.max_slots, int(c.latency_budget_s / max(self.cost_s, 1e-6))))
 
-    def enter(self) -> Optional[int]:
-        """A ticket for a report to take in, or None: answer `shed_response()`."""
+    def enter(self, arrived: Optional[float] = None) -> Optional[int]:
+        """A ticket for a report to take in, or None: answer `shed_response()`.
+        ``arrived``: when the request's first bytes came (time.monotonic()),
+        if the server knows; its wait for the server counts in the budget."""
         now = time.monotonic()
+        since = now if arrived is None else min(now, arrived)
+        budget = self.config.latency_budget_s
         with self._lock:
             oldest = next(iter(self._inflight.values()), None)
-            behind = oldest is not None and now - oldest > self.config.latency_budget_s
+            behind = (oldest is not None and now - oldest > budget) or now - since > budget
             if behind or len(self._inflight) >= self.slots:
                 self.shed += 1
                 self._on_shed()
                 return None
             ticket = self._next_ticket
             self._next_ticket += 1
-            self._inflight[ticket] = now
+            # Ordered by admission, aged from arrival: the first is the oldest
+            # admitted, near enough (a request's wait to be admitted is short).
+            self._inflight[ticket] = since
             self.admitted += 1
             return ticket
 

@@ -176,3 +176,65 @@ def test_a_connection_kept_after_a_shed_report_is_not_cut_off_while_idle(tmp_pat
         conn.close()
         server.stop()
         collector.stop()
+
+
+def test_a_reports_wait_for_the_server_counts_in_the_latency_budget():
+    """The budget is a report's time from arrival to answer: a report the
+    server reached only past the budget (its loop was busy) is answered at
+    once, and an admitted report ages from its arrival, not from when the
+    server got to it."""
+    from rankwatch.collector.admission import Admission
+
+    refused = []
+    admission = Admission(AdmissionConfig(latency_budget_s=0.5), on_shed=lambda: refused.append(1))
+    now = time.monotonic()
+    assert admission.enter(arrived=now - 0.7) is None  # waited past the budget before it was reached
+    ticket = admission.enter(arrived=now - 0.45)
+    assert ticket is not None  # within the budget: admitted
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() - now < 0.1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert admission.enter() is None  # the report in flight is past the budget since its arrival: behind
+    assert len(refused) == 2
+    admission.leave(ticket, 0.001)
+    assert admission.enter() is not None  # caught up
+
+
+def test_a_free_collector_takes_reports_in_on_the_loop_and_a_held_one_off_it(tmp_path):
+    """The aiohttp server takes a report in on its event loop while the
+    collector is free (no hand-over to the ingest thread and back), and on
+    the ingest thread while a tick holds the collector, so the loop keeps
+    answering."""
+    collector = Collector(Config(hang_timeout=30.0), data_dir=tmp_path)
+    server = AsyncCollectorServer(collector, token=TOKEN, admission=AdmissionConfig(latency_budget_s=5.0)).start()
+    port = int(server.url.rsplit(":", 1)[1])
+    try:
+        assert _post(port, _report(0))[0] == 200
+        assert _post(port, _report(1))[0] == 200
+        assert not server._ingest._threads  # never needed
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            collector._lock.acquire()  # a long tick
+            try:
+                waiting = pool.submit(_post, port, _report(2), 10.0)
+                deadline = time.monotonic() + 5.0
+                while server.admission.inflight < 1 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert server.admission.inflight == 1 and not waiting.done()
+                assert _get_health(port) == 200  # the loop still answers
+            finally:
+                collector._lock.release()
+            assert waiting.result()[0] == 200
+        assert server._ingest._threads  # the held report waited there
+        assert set(collector.runs["busy"].ranks) == set(range(24))
+    finally:
+        server.stop()
+        collector.stop()
+
+
+def _get_health(port: int) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3.0)
+    try:
+        conn.request("GET", "/healthz")
+        return conn.getresponse().status
+    finally:
+        conn.close()
