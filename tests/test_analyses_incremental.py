@@ -511,6 +511,34 @@ def test_memory_windows_of_many_ranks_hold_each_ranks_last_points():
     assert [round(float(g), 3) for g in growth] == [round(window.get(r).growth_per_step(), 3) for r in window.ranks]
 
 
+def test_memory_windows_recover_from_a_grow_that_failed(monkeypatch):
+    """Rows given to new ranks whose arrays then failed to grow (out of
+    memory) are grown into at the next step: the window keeps working, it
+    does not index past its arrays for ever."""
+    import numpy as np
+
+    from rankwatch.collector.analyses.memory_growth import Window
+
+    window = Window()
+    first = list(range(64))
+    window.add(window.rows_of(first, {}), 0, np.ones(64), np.full(64, 1000.0))
+    grow = Window._grow
+
+    def out_of_memory(self, size):
+        raise MemoryError
+
+    monkeypatch.setattr(Window, "_grow", out_of_memory)
+    more = list(range(200))
+    with pytest.raises(MemoryError):
+        window.rows_of(more, {})
+    monkeypatch.setattr(Window, "_grow", grow)
+    for step in (1, 2):
+        rows = window.rows_of(more, {})
+        window.add(rows, step, np.full(200, float(step)), np.full(200, 1000.0 + step))
+    assert window.get(150).points == [(1, 1.0, 1001.0), (2, 2.0, 1002.0)]
+    assert window.get(5).points == [(0, 1.0, 1000.0), (1, 1.0, 1001.0), (2, 2.0, 1002.0)]
+
+
 def test_a_hang_during_a_collector_outage_is_named_after_it():
     """The collector stops answering for 60 s (paused, or its node lost)
     while the job runs on and hangs 20 s into the outage. On resuming, it

@@ -98,16 +98,20 @@ class Window:
         ``before`` (none: nan); a row made per rank cost ~0.25 s the first
         steady step of a 100,000-rank cold start on a slow machine."""
         rows, new = self.rows.rows(ranks)
+        end = len(self.ranks)
+        if end > len(self.count):
+            # Checked on every call, not only when ranks are new: a grow that
+            # failed (MemoryError) left rows beyond the arrays, made here at
+            # the next call (their value before the window lost: nan).
+            size = len(self.count)
+            while size < end:
+                size *= 2
+            self._grow(size)
+            self.changes += 1
         if not new:
             return rows
-        start, end = len(self.ranks) - len(new), len(self.ranks)
-        size = len(self.count)
-        while size < end:
-            size *= 2
-        if size > len(self.count):
-            self._grow(size)
         self.changes += 1
-        self.before[start:end] = np.array([before.pop(rank, None) for rank in new], float)  # None -> nan
+        self.before[end - len(new):end] = np.array([before.pop(rank, None) for rank in new], float)  # None -> nan
         return rows
 
     def add(self, rows: np.ndarray, step: int, values: np.ndarray, at: np.ndarray) -> None:
