@@ -133,20 +133,33 @@ def test_weight_divergence_compares_parameters_not_buffers():
     assert len({id(fp["names"]) for fp in prints}) == 1
 
 
-def test_a_freed_name_lists_id_does_not_pass_its_selection_to_another_list():
-    """The tensors compared are read once per names list, kept by the list's
-    id. A list freed, and another list given its id (CPython reuses them),
-    must get its own reading: with the freed list's, BatchNorm statistics
-    were compared as parameters (a false alarm) or parameters skipped."""
+def test_each_ranks_names_list_gets_its_own_reading_and_a_replaced_one_is_not_kept():
+    """The tensors compared are read once per rank's (and model's) names
+    list. A rank that sends a new list (its job restarted, its model
+    changed) gets the new list's reading, not its old one's (BatchNorm
+    statistics compared as parameters: a false alarm), and the old list is
+    freed: kept by id, every list of every attempt of a 100,000-rank job
+    stayed alive. A rank's second model keeps its own."""
+    import weakref
+
     from rankwatch.collector.analyses.weight_divergence import Tracker
 
+    class Names(list):  # a list that can be weakly referenced
+        pass
+
     tracker = Tracker()
-    params_only = ["param:0.weight", "param:0.bias"]
-    with_buffer = ["param:0.weight", "buffer:1.running_mean"]
-    # What a freed list with the same id as `with_buffer` left behind: "compare everything".
-    tracker._selection[id(with_buffer)] = (params_only, None)
-    assert tracker._values({"names": with_buffer, "norms": [1.0, 0.5]}) == ((1.0,), None)
-    assert tracker._values({"names": params_only, "norms": [1.0, 0.5]}) == ((1.0, 0.5), None)
+    params_only = Names(["param:0.weight", "param:0.bias"])
+    with_buffer = Names(["param:0.weight", "buffer:1.running_mean"])
+    assert tracker._values(0, {"names": params_only, "norms": [1.0, 0.5]}) == ((1.0, 0.5), None)
+    assert tracker._values(0, {"names": params_only, "norms": [1.0, 0.7]}) == ((1.0, 0.7), None)
+    assert tracker._values(0, {"names": with_buffer, "norms": [1.0, 0.5], "model": 1}) == ((1.0,), None)
+    old = weakref.ref(params_only)
+    del params_only
+    assert tracker._values(0, {"names": with_buffer, "norms": [1.0, 0.5]}) == ((1.0,), None)
+    assert old() is None  # replaced: no longer kept
+    assert tracker._values(0, {"names": with_buffer, "norms": [2.0, 0.5], "model": 1}) == ((2.0,), None)
+    assert tracker._values(1, {"names": Names(["param:0.weight"]), "norms": [3.0]}) == ((3.0,), None)
+    assert len(tracker._selection) == 3  # (rank 0, model 0), (rank 0, model 1), rank 1
 
 
 def test_weight_divergence_waits_for_a_majority_when_the_reference_rank_skipped_a_step():

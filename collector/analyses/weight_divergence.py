@@ -101,7 +101,9 @@ class Tracker:
 
     def __init__(self) -> None:
         self.finding: Optional[dict] = None
-        self._selection: dict[int, tuple[Any, Optional[list[int]]]] = {}  # id(names) -> (names, compared indices)
+        # rank, or (rank, model) past a rank's first model -> (names, compared indices)
+        self._selection: dict[Any, tuple[Any, Optional[list[int]]]] = {}
+        self._read: tuple[Any, Optional[list[int]]] = (None, None)  # the last list read, and its reading
         self.replicas: Optional[bool] = None  # without DDP: are the ranks replicas (start fingerprint)?
         self.unreduced: Optional[dict] = None
         self._events = StepEvents(("unreduced_backward",))
@@ -128,7 +130,7 @@ class Tracker:
                           "module": str(event.details.get("module", ""))[:64],
                           "first_at": min(ended) if ended else event.at}
 
-    def _values(self, fp: dict) -> Optional[tuple[tuple, Optional[tuple]]]:
+    def _values(self, rank: int, fp: dict) -> Optional[tuple[tuple, Optional[tuple]]]:
         """The compared tensors' norms, and their bit checksums when the
         agent sent them (None otherwise: an older agent)."""
         norms = fp.get("norms")
@@ -136,13 +138,18 @@ class Tracker:
             return None
         names = fp.get("names")
         # Each names list (one per rank and model, shared by its prints) is
-        # read once. The entry holds the list: an id is not that list's once
-        # it is freed, and another list may get it.
-        entry = self._selection.get(id(names))
+        # read once, and kept only while it is its rank's and model's: a
+        # restarted job's ranks send new lists, which replace theirs (kept
+        # by id until then, every list of every attempt stayed alive).
+        model = wire.fingerprint_model(fp)
+        key = rank if model == 0 else (rank, model)
+        entry = self._selection.get(key)
         if entry is None or entry[0] is not names:
-            if len(self._selection) >= wire.MAX_WORLD_SIZE:
+            if len(self._selection) >= wire.MAX_WORLD_SIZE:  # a rank sending ever new model numbers
                 self._selection.clear()
-            entry = self._selection[id(names)] = (names, _compared(names))
+            if self._read[0] is not names:  # ranks often share one list (the codec's): read once
+                self._read = (names, _compared(names))
+            entry = self._selection[key] = self._read
         keep = entry[1]
         sums = _sums(fp)
         if keep is None:
@@ -162,7 +169,7 @@ class Tracker:
             return
         exact: dict[tuple, list[int]] = {}
         for rank in sorted(prints):
-            values = self._values(prints[rank])
+            values = self._values(rank, prints[rank])
             if values is not None:
                 exact.setdefault(values, []).append(rank)
         groups: list[tuple[tuple, list[int]]] = []
