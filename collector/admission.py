@@ -6,7 +6,10 @@ heartbeat, node report or node view is admitted before its body is read or
 decoded, or answered at once with 503, `Retry-After` and the cadence:
 
 - *behind*: the oldest report admitted and not done has waited longer than
-  the latency budget (what a report may take, queueing included), or
+  the latency budget (what a report may take, queueing included) since its
+  body was in (a slow upload is its sender's wait, not a backlog),
+- *late*: the server reached this request only past the budget (its loop
+  was busy), or
 - *full*: as many reports are in as the budget holds at the measured cost of
   one (an exponential average), between MIN_SLOTS and MAX_SLOTS.
 
@@ -46,7 +49,11 @@ class Admission:
         self._cadence = cadence
         self._on_shed = on_shed  # told of each report turned away (the hang watch must know: analyses/hang.py)
         self._lock = threading.Lock()
-        self._inflight: "collections.OrderedDict[int, float]" = collections.OrderedDict()  # ticket -> admitted at
+        # ticket -> when its body was in, oldest first; tickets whose body is
+        # still arriving wait apart: a slow upload is its sender's wait, not
+        # the collector's backlog (one slow relay would make every report shed).
+        self._inflight: "collections.OrderedDict[int, float]" = collections.OrderedDict()
+        self._reading: set[int] = set()
         self._next_ticket = 0
         self.cost_s = self.config.first_cost_s  # exponential average of one report's time in the collector
         self.admitted = 0
@@ -59,36 +66,43 @@ class Admission:
 
     def enter(self, arrived: Optional[float] = None) -> Optional[int]:
         """A ticket for a report to take in, or None: answer `shed_response()`.
-        ``arrived``: when the request's first bytes came (time.monotonic()),
-        if the server knows; its wait for the server counts in the budget."""
+        ``arrived``: when the server first read the request's bytes
+        (time.monotonic()), if it knows: a request it reached only past the
+        budget (its loop was busy) is answered at once. Call `ready` once
+        the body is in."""
         now = time.monotonic()
-        since = now if arrived is None else min(now, arrived)
-        budget = self.config.latency_budget_s
         with self._lock:
             oldest = next(iter(self._inflight.values()), None)
-            behind = (oldest is not None and now - oldest > budget) or now - since > budget
-            if behind or len(self._inflight) >= self.slots:
+            behind = oldest is not None and now - oldest > self.config.latency_budget_s
+            late = arrived is not None and now - arrived > self.config.latency_budget_s
+            if behind or late or len(self._inflight) + len(self._reading) >= self.slots:
                 self.shed += 1
                 self._on_shed()
                 return None
             ticket = self._next_ticket
             self._next_ticket += 1
-            # Ordered by admission, aged from arrival: the first is the oldest
-            # admitted, near enough (a request's wait to be admitted is short).
-            self._inflight[ticket] = since
+            self._reading.add(ticket)
             self.admitted += 1
             return ticket
+
+    def ready(self, ticket: int) -> None:
+        """The ticket's body is in: from now on its wait is the collector's."""
+        with self._lock:
+            if ticket in self._reading:
+                self._reading.discard(ticket)
+                self._inflight[ticket] = time.monotonic()
 
     def leave(self, ticket: int, cost_s: Optional[float]) -> None:
         """The report is done; ``cost_s`` is its time in the collector (not its
         wait), None when it never got there. A ticket already left is ignored."""
         with self._lock:
+            self._reading.discard(ticket)
             if self._inflight.pop(ticket, None) is not None and cost_s is not None:
                 self.cost_s += 0.05 * (cost_s - self.cost_s)
 
     @property
     def inflight(self) -> int:
-        return len(self._inflight)
+        return len(self._inflight) + len(self._reading)
 
     def retry_after(self) -> int:
         """Whole seconds (HTTP's delta-seconds): the cadence the collector

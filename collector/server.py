@@ -52,7 +52,7 @@ from rankwatch import wire
 
 from . import codec
 from .admission import INGEST_PATHS, Admission, AdmissionConfig, collector_cadence
-from .service import Collector, RequestError
+from .service import Collector, MustWait, RequestError, without_waiting
 
 log = logging.getLogger("rankwatch.collector")
 
@@ -64,6 +64,7 @@ IDLE_TIMEOUT = 120.0  # a kept-alive connection with no request
 SHED_BODY_GRACE_S = 0.5  # a shed request's body still arriving is waited for this long, then its connection closed
 MAX_CONNECTIONS = 20_000  # standalone; the embedded server takes fewer (see CollectorServer)
 MAX_NODE_REPORT_BYTES = 16 * 1024 * 1024  # 8+ ranks' beats in one request
+INLINE_MAX_BYTES = 64 * 1024  # reports taken in on the aiohttp loop at most this big (a steady 8-rank one: ~7 KB)
 
 Response = tuple[int, bytes, str, dict[str, str]]
 
@@ -172,6 +173,8 @@ class Routes:
             if method == "POST":
                 return self._post(path, body, header, arrived_at)
             return _json(405, {"error": f"method {method} not allowed"})
+        except MustWait:
+            raise  # taken in elsewhere (AsyncCollectorServer.take_inline)
         except RequestError as exc:
             return _json(exc.status, {"error": str(exc)})
         except wire.WireError as exc:
@@ -395,6 +398,8 @@ def _make_handler(routes: Routes, admission: Optional[Admission] = None):
                             self._send(_json(400, {"error": "truncated body"}))
                             self.close_connection = True
                             return
+                    if ticket is not None:
+                        admission.ready(ticket)
                     result, cost = _timed(routes.handle, method, path, body, self.headers.get, self.arrived_at)
                 finally:
                     if ticket is not None:
@@ -438,7 +443,6 @@ class AsyncCollectorServer:
         from concurrent.futures import ThreadPoolExecutor
 
         self._ingest = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rankwatch-ingest")
-        self.ingest_lock = getattr(collector, "_lock", None)
         self.host, self.port = host, port
         self.max_connections = max_connections
         self.request_timeout = request_timeout
@@ -600,19 +604,12 @@ class AsyncCollectorServer:
                 protocol.started = None  # the request is in: the next one gets its own deadline
             headers = request.headers
             if ticket is not None:
-                lock = server.ingest_lock
-                if lock is not None and lock.acquire(blocking=False):
-                    # The collector is free: taken in here, on the loop. The hand-over to the
-                    # ingest thread and back cost ~1/4 of the loop's own work a report, and
-                    # that thread's turns at the interpreter delayed the loop's (100,000
-                    # ranks: p50 100-300 ms -> 30-120 ms, 0.80-0.92 -> 0.73-0.79 core).
-                    try:
-                        result, cost = _timed(server.routes.handle, method, path, body, headers.get, arrived_at)
-                    finally:
-                        lock.release()
-                else:  # a tick or a report holds it: waited for off the loop, which keeps answering
-                    result, cost = await loop.run_in_executor(server._ingest, _timed, server.routes.handle, method,
-                                                              path, body, headers.get, arrived_at)
+                server.admission.ready(ticket)
+                taken = server.take_inline(method, path, body, headers.get, arrived_at)
+                if taken is None:  # waited for off the loop, which keeps answering
+                    taken = await loop.run_in_executor(server._ingest, _timed, server.routes.handle, method, path,
+                                                       body, headers.get, arrived_at)
+                result, cost = taken
                 server.admission.leave(ticket, cost)
             else:  # bundles, finish, reports, status, metrics: off the loop
                 result = await loop.run_in_executor(None, server.routes.handle, method, path, body, headers.get)
@@ -624,6 +621,33 @@ class AsyncCollectorServer:
                                                      reuse_address=True)
         self.port = self._site_server.sockets[0].getsockname()[1]
         self._sweeper = loop.create_task(self._sweep())
+
+    def take_inline(self, method: str, path: str, body: bytes, header: Callable[[str], Optional[str]],
+                    arrived_at: Optional[float]) -> Optional[tuple[Response, float]]:
+        """A report taken in on the loop, or None: hand it to the ingest thread.
+        The hand-over there and back cost ~1/4 of the loop's own work a report,
+        and that thread's turns at the interpreter delayed the loop's (100,000
+        ranks: p50 133-411 -> 47-71 ms, 0.84-0.96 -> 0.76-0.77 core). Only when
+        nothing can make the loop wait: the collector's lock is free, the body
+        is small (a start-up report with history takes tens of ms to decode),
+        and the report needs no read of the index (`without_waiting`: MustWait,
+        nothing changed). A report taken here may pass one queued on the
+        thread: a rank's state takes each beat by its own step and time
+        (`ingest.heartbeat`), whatever the order. Sending every report to the
+        thread while one waited there kept the whole cold start there (its
+        big first reports): p99 0.75-1.6 s at 100,000 ranks."""
+        if len(body) > INLINE_MAX_BYTES:
+            return None
+        lock = self.collector._lock
+        if not lock.acquire(blocking=False):  # a tick, or a report on the thread, holds it
+            return None
+        try:
+            with without_waiting():
+                return _timed(self.routes.handle, method, path, body, header, arrived_at)
+        except MustWait:
+            return None
+        finally:
+            lock.release()
 
     def _remaining(self, protocol) -> float:
         started = getattr(protocol, "started", None)

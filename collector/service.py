@@ -8,6 +8,7 @@ runs embedded in the launcher (one run) or as the standalone service (many).
 from __future__ import annotations
 
 import collections
+import contextlib
 import gc
 import logging
 import sys
@@ -59,6 +60,28 @@ class RequestError(ValueError):
     def __init__(self, message: str, status: int = 400):
         super().__init__(message)
         self.status = status
+
+
+class MustWait(Exception):
+    """Raised, before anything changes, by ingest called where it must not
+    wait (`without_waiting`) for a message that needs the index read: a late
+    message of a run that left memory. The caller takes it in where waiting
+    is allowed."""
+
+
+_no_waiting = threading.local()
+
+
+@contextlib.contextmanager
+def without_waiting():
+    """Ingest in this block raises MustWait rather than wait for the index
+    (the aiohttp server's event loop: its writer holds the index for seconds
+    during a big job's bulk flush)."""
+    _no_waiting.on = True
+    try:
+        yield
+    finally:
+        _no_waiting.on = False
 
 
 @dataclass
@@ -178,6 +201,8 @@ class Collector:
         collections took ~13 % of a core and freed ~70 objects in 40 s
         (bench/collector_load.py; gc.callbacks' counts), against 9-11 % for the
         young ones. What they would free waits for the full collection."""
+        if self._stop.is_set():  # stopping: stop() has handed the thresholds back (a late tick must not undo it)
+            return
         big = sum(len(run.ranks) for run in list(self.runs.values())) >= GC_MANUAL_RANKS
         if big and not self._gc_manual:
             self._gc_manual, self._gc_full_at, self._gc_thawed_at = True, now, now
@@ -227,6 +252,8 @@ class Collector:
         if run is None and run_id in self._index_only:
             # The one read of the index on ingest, off the steady path: a run
             # that left memory (finished minutes ago) gets a late message.
+            if getattr(_no_waiting, "on", False):
+                raise MustWait(run_id)
             run = self._restore(run_id)
         if run is None:
             run = self.runs[run_id] = RunState(run_id=run_id, world_size=world_size,
@@ -336,6 +363,10 @@ class Collector:
                 log.debug("node report: heartbeat dropped: %s", exc)
         ranks: dict[str, list[wire.Command]] = {}
         with self._lock:
+            if getattr(_no_waiting, "on", False):  # checked before any of the report is taken in
+                for run_id in {hb.identity.run_id for hb in good} | ({report.node.run_id} if report.node else set()):
+                    if run_id not in self.runs and run_id in self._index_only:
+                        raise MustWait(run_id)
             node_reply = self.ingest_node(report.node, now, arrived_at) if report.node is not None else wire.Reply()
             commands = node_reply.commands
             for hb in good:

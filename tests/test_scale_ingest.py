@@ -264,6 +264,8 @@ def test_a_big_job_s_collector_collects_only_the_youngest_generation_on_its_own(
     from rankwatch.collector import service
 
     monkeypatch.setattr(service, "GC_MANUAL_RANKS", 2)
+    process_thresholds = gc.get_threshold()
+    gc.set_threshold(700, 10, 10)  # Python's defaults, whatever an earlier test left
     before = gc.get_threshold()
     c = Collector(config=Config(), data_dir=tmp_path)
     seen: list[int] = []
@@ -300,4 +302,6 @@ def test_a_big_job_s_collector_collects_only_the_youngest_generation_on_its_own(
         del kept
     finally:
         c.stop()
-    assert gc.get_threshold() == before
+        restored = gc.get_threshold()
+        gc.set_threshold(*process_thresholds)
+    assert restored == before

@@ -137,17 +137,17 @@ class Tracker:
         if not isinstance(norms, list):
             return None
         names = fp.get("names")
-        # Each names list (one per rank and model, shared by its prints) is
-        # read once, and kept only while it is its rank's and model's: a
-        # restarted job's ranks send new lists, which replace theirs (kept
-        # by id until then, every list of every attempt stayed alive).
+        # Each rank's (and model's) names list is read once, and kept only
+        # while it is that rank's: a rank whose names change gets the new
+        # list's reading, and the old list is not held here (kept by id, a
+        # cache of up to MAX_WORLD_SIZE lists held every list it saw).
         model = wire.fingerprint_model(fp)
         key = rank if model == 0 else (rank, model)
         entry = self._selection.get(key)
         if entry is None or entry[0] is not names:
             if len(self._selection) >= wire.MAX_WORLD_SIZE:  # a rank sending ever new model numbers
                 self._selection.clear()
-            if self._read[0] is not names:  # ranks often share one list (the codec's): read once
+            if self._read[0] is not names:  # ranks share their run's one list (state.FingerprintLog): read once
                 self._read = (names, _compared(names))
             entry = self._selection[key] = self._read
         keep = entry[1]
