@@ -27,7 +27,7 @@ import sqlite3
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 from urllib.parse import quote
 
 from rankwatch import wire
@@ -41,10 +41,11 @@ log = logging.getLogger("rankwatch.collector")
 FLUSH_INTERVAL = 1.0
 PRUNE_INTERVAL = 60.0
 BULK_INTERVAL = 10.0  # ranks' rows and step records
-RANK_ROWS_PER_BULK = 20_000  # more ranks than this: their rows every BULK_INTERVAL * ranks / this
+RANK_ROWS_PER_BULK = 20_000  # ranks' rows a bulk write takes at most (a rank's row: every BULK_INTERVAL * ranks / this)
 SAMPLED_ABOVE = 10_000  # ranks: beyond, the index keeps a sample of the steps
 RETAINED_STEPS = 2048  # step records kept in the index per rank (memory keeps fewer)
 MAX_PENDING_PER_RANK = RETAINED_STEPS  # records waiting for the writer, per rank and kind
+STEPS_ROW_RANKS = 1_000  # ranks per "steps_by_rank" row (one encoding each)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
@@ -95,20 +96,31 @@ def _dumps_seqs(seqs: dict[str, int]) -> str:
     return _dumps_finite(seqs)
 
 
-def _dumps_steps(per_rank: dict[int, list[wire.StepRecord]]) -> str:
-    """One run's step records of one flush, every rank in one row (one insert,
-    one encoding: ~60,000 ranks' records every 10 s at 100,000 ranks)."""
-    ranks = {}
-    for i, (rank, steps) in enumerate(per_rank.items()):
-        if i % 2_000 == 1_999:
-            time.sleep(0)  # hand the interpreter to the collector's HTTP thread (60,000 ranks)
-        ranks[str(rank)] = [_step_row(r) for r in steps]
-    value = {"columns": wire.STEP_COLUMNS, "ranks": ranks}
+def _steps_rows(per_rank: dict[int, list[wire.StepRecord]]) -> Iterator[tuple[int, int, str]]:
+    """One run's step records of one flush as rows of STEPS_ROW_RANKS ranks
+    each: (first step, last step, text). ~60,000 ranks' records every 10 s at
+    100,000 ranks; one encoding of them all held the interpreter for ~45 ms
+    (msgspec never lets go inside a call), and every report the event loop
+    was answering waited behind it. A row of 1,000 ranks holds it ~1 ms."""
+    items = list(per_rank.items())
+    for start in range(0, len(items), STEPS_ROW_RANKS):
+        if start:
+            time.sleep(0)  # hand the interpreter to the collector's HTTP thread
+        chunk = items[start:start + STEPS_ROW_RANKS]
+        first = min(records[0].step for _, records in chunk)
+        last = max(records[-1].step for _, records in chunk)
+        yield first, last, _dumps_steps(chunk)
+
+
+def _dumps_steps(chunk: list[tuple[int, list[wire.StepRecord]]]) -> str:
+    """{"columns": [...], "ranks": {rank: [row, ...]}} of some ranks' records."""
+    value = {"columns": wire.STEP_COLUMNS,
+             "ranks": {str(rank): [_step_row(r) for r in records] for rank, records in chunk}}
     # loss and grad_norm are the only fields that may be non-finite, which
     # msgspec would write as null: those records take the strict encoder.
     if _fast_encode is not None and all((r.loss is None or math.isfinite(r.loss))
                                         and (r.grad_norm is None or math.isfinite(r.grad_norm))
-                                        for steps in per_rank.values() for r in steps):
+                                        for _, records in chunk for r in records):
         return _fast_encode(value).decode()
     return _dumps(value)
 
@@ -200,9 +212,8 @@ class Store:
         self._ranks: dict[tuple[str, int], RankState] = {}
         self._verdicts: dict[tuple[str, str, str], wire.Verdict] = {}
         self._bulk_wanted = False
-        self._ranks_at = 0.0  # when the ranks' rows were last written (monotonic)
         self._saved_runs: dict[str, tuple] = {}  # run -> the runs row last queued
-        # What the next bulk write takes, per run and rank (one row per run and kind).
+        # What the next bulk write takes, per run and rank (steps: one row per STEPS_ROW_RANKS ranks).
         self._steps: dict[str, dict[int, list[wire.StepRecord]]] = {}
         self._marks: dict[str, dict[int, list[wire.CollectiveMark]]] = {}
         self._prints: dict[str, dict[int, list[dict[str, Any]]]] = {}
@@ -328,11 +339,15 @@ class Store:
                 steps, marks, prints = self._steps, self._marks, self._prints
                 self._steps, self._marks, self._prints = {}, {}, {}
                 # A rank's row is its latest state, for a restart: on a big job
-                # written less often (100,000 rows cost ~0.5 s of CPU).
-                every = BULK_INTERVAL * max(1.0, len(self._ranks) / RANK_ROWS_PER_BULK)
-                if everything or time.monotonic() - self._ranks_at >= every - 0.5:
-                    self._ranks_at = time.monotonic()
+                # at most RANK_ROWS_PER_BULK of them a bulk write, those
+                # waiting longest first (100,000 rows at once cost ~0.5 s of
+                # CPU in one burst, and every report waited behind it).
+                if everything or len(self._ranks) <= RANK_ROWS_PER_BULK:
                     ranks, self._ranks = self._ranks, {}
+                else:
+                    waiting = list(self._ranks.items())
+                    ranks = dict(waiting[:RANK_ROWS_PER_BULK])
+                    self._ranks = dict(waiting[RANK_ROWS_PER_BULK:])
         for (run_id, _, _), v in verdicts.items():
             sql.append(("INSERT OR REPLACE INTO verdicts VALUES (?,?,?,?,?)",
                         (run_id, v.kind, _dumps(v.ranks), v.detected_at, _dumps(wire.to_dict(v)))))
@@ -349,7 +364,7 @@ class Store:
             except RuntimeError:  # a dict changed while it was copied: next flush
                 with self._pending_lock:
                     self._ranks.setdefault((run_id, s.rank), s)
-        # The step records of every rank in one row per run; marks and
+        # The step records of STEPS_ROW_RANKS ranks in one row; marks and
         # fingerprints in one row per rank (one encoding each: a single
         # encoding of 100,000 ranks' prints was no cheaper than 100,000).
         batch_rows = []
@@ -362,11 +377,10 @@ class Store:
                     time.sleep(0)  # hand the interpreter to the collector's HTTP thread
                 batch_rows.append((run_id, rank, "fingerprints", *_prints_row(queued)))
         for run_id, per_rank in steps.items():
-            first = min(records[0].step for records in per_rank.values())
-            last = max(records[-1].step for records in per_rank.values())
-            batch_rows.append((run_id, -1, "steps_by_rank", first, last, _dumps_steps(per_rank)))
-            if last > self._max_step.get(run_id, -1):
-                self._max_step[run_id] = last
+            for first, last, text in _steps_rows(per_rank):
+                batch_rows.append((run_id, -1, "steps_by_rank", first, last, text))
+                if last > self._max_step.get(run_id, -1):
+                    self._max_step[run_id] = last
         try:
             with self._lock:
                 self._db.execute("BEGIN")
