@@ -249,11 +249,9 @@ class Collector:
         if not _SAFE_ID.match(run_id):
             raise RequestError(f"invalid run id {run_id!r}")
         run = self.runs.get(run_id)
-        if run is None and run_id in self._index_only:
+        if run is None and self._needs_index(run_id):
             # The one read of the index on ingest, off the steady path: a run
             # that left memory (finished minutes ago) gets a late message.
-            if getattr(_no_waiting, "on", False):
-                raise MustWait(run_id)
             run = self._restore(run_id)
         if run is None:
             run = self.runs[run_id] = RunState(run_id=run_id, world_size=world_size,
@@ -262,6 +260,16 @@ class Collector:
         if world_size and world_size > run.world_size:
             run.world_size = world_size
         return run
+
+    def _needs_index(self, run_id: str) -> bool:
+        """Whether taking in a message of ``run_id`` reads the index (a run
+        that left memory). Inside without_waiting() it raises MustWait
+        instead: that read waits for the index writer's lock."""
+        if run_id in self.runs or run_id not in self._index_only:
+            return False
+        if getattr(_no_waiting, "on", False):
+            raise MustWait(run_id)
+        return True
 
     # -- restart and retention ----------------------------------------------------------
     def _reload(self) -> None:
@@ -365,8 +373,7 @@ class Collector:
         with self._lock:
             if getattr(_no_waiting, "on", False):  # checked before any of the report is taken in
                 for run_id in {hb.identity.run_id for hb in good} | ({report.node.run_id} if report.node else set()):
-                    if run_id not in self.runs and run_id in self._index_only:
-                        raise MustWait(run_id)
+                    self._needs_index(run_id)
             node_reply = self.ingest_node(report.node, now, arrived_at) if report.node is not None else wire.Reply()
             commands = node_reply.commands
             for hb in good:
