@@ -28,7 +28,7 @@ from pathlib import Path
 
 from rankwatch import wire
 from rankwatch.collector.changes import BeatData
-from rankwatch.collector.service import record_stride
+from rankwatch.collector.service import NEVER, record_stride
 from rankwatch.collector.state import RunState
 from rankwatch.collector.store import Store
 from rankwatch.node.relay import StepSampler
@@ -61,10 +61,12 @@ def main(argv=None) -> int:
     samplers = [StepSampler() for _ in range(0, args.ranks, 8)]  # a relay per node of 8 ranks
     for sampler in samplers:
         sampler.stride = 1 if args.unthinned else stride
-    # Full collections of the bench's own 100,000 states and beats landed in
-    # random flushes (the collector of a job this size runs its own,
-    # service.GC_MANUAL_RANKS): the figures are of the writer's work alone.
-    gc.disable()
+    # The collector of a job this size collects only the youngest generation
+    # on its own (service.GC_MANUAL_RANKS): the bench's own 100,000 states and
+    # beats are frozen, and its full collections left out, as there.
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(gc.get_threshold()[0], NEVER, NEVER)
     queued, flushed = [], []
     for cadence in range(args.cadences):
         first = 100 + cadence * args.cadence

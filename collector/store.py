@@ -7,9 +7,11 @@ an index of the bundle archives, which stay as files next to it.
 Writes are off the request path: ingest hands the store references (a rank's
 state, the step records a beat brought) and returns; one writer thread turns
 them into rows once a second, in one transaction (SQLite in WAL mode). A
-rank's row is written once per flush however many beats arrived; step
-records, marks and fingerprints go as one row per rank and flush (compact
-rows, not one row per step), and rows older than the step window are pruned.
+rank's row is its latest state, written at most once per bulk write however
+many beats arrived (at most RANK_ROWS_PER_BULK of them a bulk write); marks
+and fingerprints go as one row per rank and bulk write, step records as one
+row per STEPS_ROW_RANKS ranks (compact rows, not one row per step), and rows
+older than the step window are pruned.
 
 A full disk or a read-only data dir never stops the collector: the store
 says so once, keeps serving from memory, and `degraded` tells the report.
@@ -19,6 +21,7 @@ analyze`): no schema change, no write, nothing created.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -280,7 +283,7 @@ class Store:
             self._wake.clear()
             stopping = self._stop
             # Ranks' rows and step records every BULK_INTERVAL (or when asked):
-            # one row per rank per interval however many beats it sent.
+            # a rank's row at most once per interval however many beats it sent.
             everything = stopping or self._bulk_wanted
             bulk = everything or time.monotonic() - bulk_at >= BULK_INTERVAL
             if bulk:
@@ -344,10 +347,10 @@ class Store:
                 # CPU in one burst, and every report waited behind it).
                 if everything or len(self._ranks) <= RANK_ROWS_PER_BULK:
                     ranks, self._ranks = self._ranks, {}
-                else:
-                    waiting = list(self._ranks.items())
-                    ranks = dict(waiting[:RANK_ROWS_PER_BULK])
-                    self._ranks = dict(waiting[RANK_ROWS_PER_BULK:])
+                else:  # the oldest keys, taken out in place (a copy of 100,000 was ~10 ms in one C call)
+                    ranks = dict(itertools.islice(self._ranks.items(), RANK_ROWS_PER_BULK))
+                    for key in ranks:
+                        del self._ranks[key]
         for (run_id, _, _), v in verdicts.items():
             sql.append(("INSERT OR REPLACE INTO verdicts VALUES (?,?,?,?,?)",
                         (run_id, v.kind, _dumps(v.ranks), v.detected_at, _dumps(wire.to_dict(v)))))
@@ -584,7 +587,7 @@ class Store:
         for rank, kind, data in self._rows(
                 "SELECT rank, kind, data FROM batches WHERE run_id=? ORDER BY rowid", (run_id,)):
             try:
-                if kind == "steps_by_rank":  # one flush's records of every rank
+                if kind == "steps_by_rank":  # one flush's records of up to STEPS_ROW_RANKS ranks
                     data = json.loads(data)
                     for key, rows in data["ranks"].items():
                         self._load_batch(run.rank(int(key)), "steps", {"columns": data["columns"], "rows": rows})

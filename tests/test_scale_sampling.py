@@ -301,7 +301,7 @@ def test_rare_facts_are_found_without_reading_every_rank():
     assert (time.perf_counter() - started) / 20 < 0.01  # reading 50,000 ranks would take ~20 ms
 
 
-def test_a_flush_of_many_ranks_records_is_one_row_and_loads_back(tmp_path):
+def test_a_small_flush_s_records_are_one_row_and_load_back(tmp_path):
     store = Store(tmp_path / "i.sqlite")
     run = RunState("s", world_size=3)
     store.save_run(run)

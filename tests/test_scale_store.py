@@ -158,6 +158,7 @@ def test_a_bulk_write_takes_a_bounded_share_of_ranks_rows_longest_waiting_first(
     assert written() == [0, 1, 2]
     run.rank(0).step = 5
     store.save_rank("big", run.rank(0))  # queued again: after those still waiting
+    store.save_rank("big", run.rank(3))  # queued again while waiting: keeps its place
     store._flush_once(bulk=True, everything=False)
     assert written() == [0, 1, 2, 3, 4, 5]
     store._flush_once(bulk=True, everything=False)
