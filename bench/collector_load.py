@@ -50,7 +50,11 @@ The load generator is one asyncio process on kept-alive connections with
 pre-encoded bodies (identities encoded once per rank; the per-tick part once
 per tick, shared by every node, as every rank of a DDP job is at the same
 step). Its own CPU is printed too: on a 2-core machine it shares the machine
-with the collector, and what it can offer is said in the output.
+with the collector, and what it can offer is said in the output. Its
+garbage collection is kept out of the figures (`generator_gc`: its full
+collections paused every relay at once), and its event loop's worst lag
+over the measured window is printed: a request in flight during such a lag
+is measured that much slower, whatever the collector did.
 """
 
 from __future__ import annotations
@@ -58,6 +62,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
+import gc
 import gzip
 import json
 import os
@@ -72,7 +78,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from rankwatch import wire
 
@@ -597,6 +603,18 @@ class Simulator:
             conn[1].close()
 
 
+async def _loop_lag(running: Callable[[], bool], every: float = 0.01) -> float:
+    """The generator's own event-loop lag while ``running()``: the longest
+    that a timer of ``every`` seconds fired late. A request in flight then
+    is measured that much slower, whatever the collector did."""
+    worst = 0.0
+    while running():
+        began = time.perf_counter()
+        await asyncio.sleep(every)
+        worst = max(worst, time.perf_counter() - began - every)
+    return worst
+
+
 async def _until_all_seen(collector: CollectorProcess, loop, ranks: int, began: float,
                           deadline_s: float, tasks: list) -> dict[str, Any]:
     """Polls the collector until it has seen every rank: the cold start's figure."""
@@ -656,8 +674,10 @@ async def run_load(url: str, job: Job, mode: str, history: int, measure: float, 
     usage0 = resource.getrusage(resource.RUSAGE_SELF)
     cpu0, t0 = collector.cpu_seconds(), time.time()
     sim.stats.recording = True
+    lag = loop.create_task(_loop_lag(lambda: sim.stats.recording))
     await asyncio.sleep(measure)
     sim.stats.recording = False
+    lag_max_s = await lag
     cpu1, t1 = collector.cpu_seconds(), time.time()
     usage1 = resource.getrusage(resource.RUSAGE_SELF)
     rss, peak = collector.rss_mib()
@@ -686,6 +706,7 @@ async def run_load(url: str, job: Job, mode: str, history: int, measure: float, 
         "ranks_seen": status.get("runs", {}).get(RUN_ID, {}).get("ranks_seen"),
         "verdicts_before_hang": [v["kind"] for v in status.get("runs", {}).get(RUN_ID, {}).get("verdicts", [])],
         "index_degraded": status.get("index_degraded"),
+        "generator_lag_max_ms": 1000 * lag_max_s,
         "status_unavailable": bool(status.get("status_unavailable")),
     }
     if outage and start == "cold" and mode == "relay":
@@ -739,6 +760,31 @@ async def run_load(url: str, job: Job, mode: str, history: int, measure: float, 
     return result
 
 
+@contextlib.contextmanager
+def generator_gc() -> Iterator[None]:
+    """The generator's garbage collection kept out of the figures. One
+    process plays every relay, and at 100,000 ranks it holds millions of
+    objects (the recorded messages, 12,500 relays' connections and tasks):
+    Python's automatic full collection paused it 0.33-0.53 s every ~12 s,
+    and every request in flight meanwhile was measured that much slower,
+    and every relay due meanwhile sent at once when it resumed (a burst of
+    twice the cadence's load that recurred every cadence). Real relays are
+    separate processes whose pauses do not line up. So, as the collector does
+    past GC_MANUAL_RANKS: what exists at the start is frozen (never scanned
+    again), the young generations stay automatic, full collections are off
+    until the run ends. The generator's loop lag is measured and reported
+    (``generator_lag_max_ms``)."""
+    thresholds = gc.get_threshold()
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(thresholds[0], thresholds[1], 1 << 30)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.unfreeze()
+
+
 def bench_one(ranks: int, args: argparse.Namespace) -> dict[str, Any]:
     folder = Path(tempfile.mkdtemp(prefix=f"rankwatch-load-{ranks}-"))
     collector = CollectorProcess(folder / "data", args.hang_timeout, args.server)
@@ -748,9 +794,10 @@ def bench_one(ranks: int, args: argparse.Namespace) -> dict[str, Any]:
         cold = start == "cold" and args.mode == "relay"
         job = Job(ranks, args.step_time, first_step=0 if cold else 100_000,
                   culprit=random.Random(ranks).randrange(ranks))
-        result = asyncio.run(run_load(collector.url, job, args.mode, history, args.measure, args.hang_timeout,
-                                      collector, start=start, outage=getattr(args, "outage", 0.0),
-                                      settle=getattr(args, "settle", None)))
+        with generator_gc():
+            result = asyncio.run(run_load(collector.url, job, args.mode, history, args.measure, args.hang_timeout,
+                                          collector, start=start, outage=getattr(args, "outage", 0.0),
+                                          settle=getattr(args, "settle", None)))
         result["settle_s"] = getattr(args, "settle", None)
         result["history_steps"] = history
         result["culprit"] = job.culprit
@@ -816,7 +863,7 @@ def _line(r: dict[str, Any]) -> str:
             f"RSS {r['collector_rss_mib']:.0f} MiB (peak {r['collector_peak_rss_mib']:.0f}), "
             f"tick p50 {_fmt(r.get('tick_p50_s'), '.3f')} p99 {_fmt(r.get('tick_p99_s'), '.3f')} s "
             f"(max {_fmt(r['tick_max_s'], '.3f')}), generator CPU "
-            f"{r['generator_cpu']:.2f} core, hang verdict after {_fmt(r['hang_verdict_after_s'], '.1f')} s "
+            f"{r['generator_cpu']:.2f} core (loop lag max {_fmt(r.get('generator_lag_max_ms'), '.0f')} ms), hang verdict after {_fmt(r['hang_verdict_after_s'], '.1f')} s "
             f"(deadline {r['hang_deadline_s']:g}), ranks {r.get('hang_ranks')} of {r.get('hang_ranks_total')} "
             f"(culprit {r['culprit']}): {r.get('hang_summary')!r}"
             + (f", outage {r['outage_s']:g} s: {r['recovered_nodes']} nodes back, all after "
