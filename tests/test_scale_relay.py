@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import random
+import threading
+import time
 
 from rankwatch import wire
 from rankwatch.agent.core.transport import CollectorUnreachable, Transport
@@ -113,6 +115,43 @@ def test_failures_back_off_exponentially_with_jitter_and_a_success_resets():
     assert relay.next_wait() == 2.0
     sent = json.loads(upstream.bodies[-1])
     assert [r[0] for r in sent["heartbeats"][0]["step_rows"]] == [100, 101, 102, 103]
+
+
+class _SlowUpstream:
+    """A collector that answers every report after ``delay`` seconds; the
+    moments the reports left are kept."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.sent_at: list[float] = []
+
+    def __call__(self, path, body, content_type, timeout=5.0, headers=None):
+        self.sent_at.append(time.monotonic())
+        time.sleep(self.delay)  # the collector's answer time (not a synchronisation)
+        return {"commands": [], "version": wire.WIRE_VERSION}
+
+
+def test_a_relay_keeps_its_cadence_however_long_the_collector_takes_to_answer():
+    """The interval counts from when a report left, not from its answer: a
+    relay waiting an interval after each answer drifts by every answer's time,
+    and relays that a stalled collector answered together would leave together
+    from then on, a burst every cadence (seen at 100,000 ranks)."""
+    upstream = _SlowUpstream(delay=0.4)
+    relay = _relay(upstream, rng=random.Random(5))  # interval 1 s
+    assert relay.interval == 1.0
+    relay.heartbeat(_beat(0, 100, 4))
+    loop = threading.Thread(target=relay._loop, daemon=True)
+    loop.start()
+    deadline = time.monotonic() + 20
+    while len(upstream.sent_at) < 5 and time.monotonic() < deadline:
+        relay.heartbeat(_beat(0, 104 + len(upstream.sent_at), 1))  # something to send every time
+        time.sleep(0.05)
+    relay._stop.set()
+    relay._wake.set()
+    loop.join(timeout=10)
+    assert len(upstream.sent_at) >= 5, upstream.sent_at
+    gaps = [b - a for a, b in zip(upstream.sent_at, upstream.sent_at[1:])][:4]
+    assert all(0.9 <= gap < 1.25 for gap in gaps), gaps  # an interval apart, not interval + 0.4 s
 
 
 def test_the_report_kept_through_an_outage_is_bounded_by_bytes_newest_state_kept():

@@ -20,7 +20,9 @@ at once, not at the next interval.
 A job's relays all start at the same moment, so nothing they do may come in
 step (issue 29): the first cadence is the collector's rule for the job's
 world size (the launcher knows it), not 1 s; the first report leaves at a
-random offset within that interval; a failure, a timeout or a busy answer
+random offset within that interval, and each next one an interval after
+the last one left (not after its answer: relays that a slow collector
+answered together would leave together from then on); a failure, a timeout or a busy answer
 (429/503, whose `Retry-After` is a floor) backs off exponentially with
 jitter up to a few cadences (`rankwatch.cadence.backoff_cap`: 6 cadences, at most
 MAX_BACKOFF_S), reset by a success; and the report kept for the
@@ -364,8 +366,14 @@ class Relay:
 
     def _loop(self) -> None:
         first = True
+        sent_at: Optional[float] = None
         while not self._stop.is_set():
             wait = self.next_wait(first)
+            if sent_at is not None and not self._failures:
+                # Counted from when the last report left, not from its answer:
+                # relays whose reports a slow collector answered together would
+                # otherwise leave together from then on, every cadence.
+                wait = max(0.0, wait - (time.monotonic() - sent_at))
             if self._failures:
                 # Backing off: urgent news waits too (the collector is away or
                 # busy); it is in the kept report and leaves with the next try.
@@ -376,6 +384,7 @@ class Relay:
             first = False
             if self._stop.is_set():
                 return
+            sent_at = time.monotonic()
             try:
                 self.flush()
             except Exception as exc:  # the relay must survive anything
