@@ -76,12 +76,13 @@ _no_waiting = threading.local()
 def without_waiting():
     """Ingest in this block raises MustWait rather than wait for the index
     (the aiohttp server's event loop: its writer holds the index for seconds
-    during a big job's bulk flush)."""
+    during a big job's bulk flush). A nested block leaves the outer one's state."""
+    outer = getattr(_no_waiting, "on", False)
     _no_waiting.on = True
     try:
         yield
     finally:
-        _no_waiting.on = False
+        _no_waiting.on = outer
 
 
 @dataclass

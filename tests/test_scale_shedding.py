@@ -279,3 +279,16 @@ def test_a_late_report_of_a_run_that_left_memory_never_holds_the_loop(tmp_path):
     finally:
         server.stop()
         collector.stop()
+
+
+def test_a_nested_no_waiting_block_leaves_the_outer_ones_rule():
+    """Ingest in a `without_waiting` block raises MustWait rather than wait
+    for the index; a block nested in one (a helper that uses it too) must
+    not lift the outer block's rule when it ends."""
+    from rankwatch.collector.service import _no_waiting, without_waiting
+
+    with without_waiting():
+        with without_waiting():
+            assert _no_waiting.on
+        assert _no_waiting.on  # still the outer block's rule
+    assert not _no_waiting.on
