@@ -542,8 +542,10 @@ def test_memory_windows_recover_from_a_grow_that_failed(monkeypatch):
 
     monkeypatch.setattr(Window, "_grow", out_of_memory)
     more = list(range(200))
+    start_up = {rank: 7.0 for rank in more[64:]}  # the new ranks' values before their windows
     with pytest.raises(MemoryError):
-        window.rows_of(more, {})
+        window.rows_of(more, start_up)
+    assert start_up == {}  # taken (then lost with the grow), not left behind for ever
     monkeypatch.setattr(Window, "_grow", grow)
     for step in (1, 2):
         rows = window.rows_of(more, {})

@@ -98,6 +98,8 @@ class Window:
         ``before`` (none: nan); a row made per rank cost ~0.25 s the first
         steady step of a 100,000-rank cold start on a slow machine."""
         rows, new = self.rows.rows(ranks)
+        # Popped before the grow: a grow that fails leaves no start-up value behind in ``before``.
+        values = np.array([before.pop(rank, None) for rank in new], float) if new else None  # None -> nan
         end = len(self.ranks)
         if end > len(self.count):
             # Checked on every call, not only when ranks are new: a grow that
@@ -108,10 +110,10 @@ class Window:
                 size *= 2
             self._grow(size)
             self.changes += 1
-        if not new:
+        if values is None:
             return rows
         self.changes += 1
-        self.before[end - len(new):end] = np.array([before.pop(rank, None) for rank in new], float)  # None -> nan
+        self.before[end - len(new):end] = values
         return rows
 
     def add(self, rows: np.ndarray, step: int, values: np.ndarray, at: np.ndarray) -> None:
