@@ -482,11 +482,12 @@ class Simulator:
     async def relay(self, node: int, recorded: "Recorded", start: float) -> None:
         """One node's relay from a cold start, as rankwatch/node/relay.py
         does it: the initial cadence for the world size, the first report at
-        a random offset within it, the collector's cadence once it answers,
+        a random offset within it, the collector's cadence once it answers
+        (in the relay's phase: `until_next_slot`),
         exponential backoff with jitter on a failure, a 503 or a timeout
         (Retry-After as a floor), the node's data kept and merged meanwhile."""
         from rankwatch.agent.core.transport import backoff_delay
-        from rankwatch.node.relay import backoff_cap, initial_interval
+        from rankwatch.node.relay import backoff_cap, initial_interval, until_next_slot
 
         job = self.job
         rng = random.Random(node)
@@ -538,7 +539,7 @@ class Simulator:
                     self.warm += 1
                 self.last_ok[node] = time.time()
                 last_step, failures, retry_after = step, 0, None
-                wait = interval
+                wait = until_next_slot(interval, time.time() - began)  # the relay's phase kept
             else:
                 failures += 1
                 ra = heads.get("retry_after")
@@ -546,7 +547,6 @@ class Simulator:
                 wait = backoff_delay(failures, interval, backoff_cap(interval), rng)
                 if retry_after is not None:
                     wait = max(wait, retry_after * (1.0 + 0.5 * rng.random()))
-            wait = max(0.0, wait - (time.time() - began))
         if conn is not None:
             conn[1].close()
 
@@ -677,9 +677,9 @@ async def run_load(url: str, job: Job, mode: str, history: int, measure: float, 
     lag = loop.create_task(_loop_lag(lambda: sim.stats.recording))
     await asyncio.sleep(measure)
     sim.stats.recording = False
-    lag_max_s = await lag
     cpu1, t1 = collector.cpu_seconds(), time.time()
     usage1 = resource.getrusage(resource.RUSAGE_SELF)
+    lag_max_s = await lag
     rss, peak = collector.rss_mib()
     try:
         status = await loop.run_in_executor(None, collector.status)
@@ -769,12 +769,13 @@ def generator_gc() -> Iterator[None]:
     and every request in flight meanwhile was measured that much slower,
     and every relay due meanwhile sent at once when it resumed (a burst of
     twice the cadence's load that recurred every cadence). Real relays are
-    separate processes whose pauses do not line up. So, as the collector does
-    past GC_MANUAL_RANKS: what exists at the start is frozen (never scanned
-    again), the young generations stay automatic, full collections are off
-    until the run ends. The generator's loop lag is measured and reported
-    (``generator_lag_max_ms``)."""
-    thresholds = gc.get_threshold()
+    separate processes whose pauses do not line up. So, much as the collector
+    does past GC_MANUAL_RANKS: what exists at the start is frozen (never
+    scanned again), the young generations stay automatic, full collections
+    are off until the run ends (up to Python 3.13; 3.14's incremental
+    collector has no such pauses and ignores the third threshold). The
+    generator's loop lag is measured and reported (``generator_lag_max_ms``)."""
+    thresholds, frozen = gc.get_threshold(), gc.get_freeze_count()
     gc.collect()
     gc.freeze()
     gc.set_threshold(thresholds[0], thresholds[1], 1 << 30)
@@ -782,7 +783,8 @@ def generator_gc() -> Iterator[None]:
         yield
     finally:
         gc.set_threshold(*thresholds)
-        gc.unfreeze()
+        if not frozen:  # a freeze made before (a collector in this process) is not undone
+            gc.unfreeze()
 
 
 def bench_one(ranks: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -863,7 +865,8 @@ def _line(r: dict[str, Any]) -> str:
             f"RSS {r['collector_rss_mib']:.0f} MiB (peak {r['collector_peak_rss_mib']:.0f}), "
             f"tick p50 {_fmt(r.get('tick_p50_s'), '.3f')} p99 {_fmt(r.get('tick_p99_s'), '.3f')} s "
             f"(max {_fmt(r['tick_max_s'], '.3f')}), generator CPU "
-            f"{r['generator_cpu']:.2f} core (loop lag max {_fmt(r.get('generator_lag_max_ms'), '.0f')} ms), hang verdict after {_fmt(r['hang_verdict_after_s'], '.1f')} s "
+            f"{r['generator_cpu']:.2f} core (loop lag max {_fmt(r.get('generator_lag_max_ms'), '.0f')} ms), "
+            f"hang verdict after {_fmt(r['hang_verdict_after_s'], '.1f')} s "
             f"(deadline {r['hang_deadline_s']:g}), ranks {r.get('hang_ranks')} of {r.get('hang_ranks_total')} "
             f"(culprit {r['culprit']}): {r.get('hang_summary')!r}"
             + (f", outage {r['outage_s']:g} s: {r['recovered_nodes']} nodes back, all after "

@@ -20,9 +20,10 @@ at once, not at the next interval.
 A job's relays all start at the same moment, so nothing they do may come in
 step (issue 29): the first cadence is the collector's rule for the job's
 world size (the launcher knows it), not 1 s; the first report leaves at a
-random offset within that interval, and each next one an interval after
-the last one left (not after its answer: relays that a slow collector
-answered together would leave together from then on); a failure, a timeout or a busy answer
+random offset within that interval, and each next one in the relay's
+phase, an interval after the last one left (`until_next_slot`: not after
+its answer, or relays that a stalled collector answered together would
+leave together from then on); a failure, a timeout or a busy answer
 (429/503, whose `Retry-After` is a floor) backs off exponentially with
 jitter up to a few cadences (`rankwatch.cadence.backoff_cap`: 6 cadences, at most
 MAX_BACKOFF_S), reset by a success; and the report kept for the
@@ -211,6 +212,18 @@ def merge_beats(old: Optional[dict[str, Any]], new: dict[str, Any]) -> dict[str,
     return merged
 
 
+def until_next_slot(interval: float, since_sent: float) -> float:
+    """Seconds from now to a relay's next report while the collector answers:
+    an interval after the last one left (``since_sent`` seconds ago), or,
+    when its answer took an interval or more, the next such slot (those
+    missed are skipped). Counted from the answer instead, relays that a
+    stalled collector answered together would leave together from then on,
+    every cadence; this way each keeps the phase it started with."""
+    if since_sent < interval:
+        return interval - since_sent
+    return interval - since_sent % interval
+
+
 def initial_interval(base: float, world_size: int, hang_timeout: Optional[float]) -> float:
     """The cadence before the collector's first answer: the collector's own
     rule for this world size (`node_report_interval`), so a cold start of a
@@ -347,16 +360,18 @@ class Relay:
         return {"commands": commands, "version": wire.WIRE_VERSION, "verdicts": verdicts}
 
     # -- to the collector ---------------------------------------------------------------------
-    def next_wait(self, first: bool = False) -> float:
+    def next_wait(self, first: bool = False, since_sent: Optional[float] = None) -> float:
         """Seconds until the next report: a random offset within the interval
-        for the first (relays that start together spread over it), the
-        interval while the collector answers, and after failures an
-        exponential backoff with jitter (a busy collector's Retry-After, or
-        at least the interval, as its floor)."""
+        for the first (relays that start together spread over it), while the
+        collector answers the next slot of the relay's phase (an interval
+        after the last report left, ``since_sent`` seconds ago:
+        `until_next_slot`), and after failures an exponential backoff with
+        jitter (a busy collector's Retry-After, or at least the interval, as
+        its floor) from now."""
         if first:
             return self.interval * self._rng.random()
         if not self._failures:
-            return self.interval
+            return self.interval if since_sent is None else until_next_slot(self.interval, since_sent)
         from rankwatch.agent.core.transport import backoff_delay
 
         delay = backoff_delay(self._failures, self.interval, backoff_cap(self.interval), self._rng)
@@ -368,12 +383,7 @@ class Relay:
         first = True
         sent_at: Optional[float] = None
         while not self._stop.is_set():
-            wait = self.next_wait(first)
-            if sent_at is not None and not self._failures:
-                # Counted from when the last report left, not from its answer:
-                # relays whose reports a slow collector answered together would
-                # otherwise leave together from then on, every cadence.
-                wait = max(0.0, wait - (time.monotonic() - sent_at))
+            wait = self.next_wait(first, None if sent_at is None else time.monotonic() - sent_at)
             if self._failures:
                 # Backing off: urgent news waits too (the collector is away or
                 # busy); it is in the kept report and leaves with the next try.
