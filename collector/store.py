@@ -468,13 +468,16 @@ class Store:
         self._ensure_writer()
 
     def save_heartbeat_data(self, run_id: str, rank: int, hb: wire.Heartbeat,
-                            steps: Optional[list[wire.StepRecord]] = None,
                             fingerprints: Optional[list[dict[str, Any]]] = None) -> None:
+        """One heartbeat's records, marks, events and fingerprints (those
+        given, else the beat's) queued for the next bulk write, as ingest's
+        journal (`changes.py`) hands them to the writer: for tools and tests
+        that fill an index without a collector."""
         if self.readonly:
             return
         with self._pending_lock:
-            self._queue_beat(BeatData(run_id, rank, hb.identity.world_size, hb.steps if steps is None else steps,
-                                      hb.marks, hb.events, hb.fingerprints if fingerprints is None else fingerprints))
+            self._queue_beat(BeatData(run_id, rank, hb.identity.world_size, hb.steps, hb.marks, hb.events,
+                                      hb.fingerprints if fingerprints is None else fingerprints))
         self._ensure_writer()
 
     def _queue_beat(self, beat: BeatData) -> None:
