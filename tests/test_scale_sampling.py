@@ -96,6 +96,10 @@ def test_the_relay_forwards_every_kth_mark_and_fingerprint_the_same_on_every_ran
     odd = {"step": 429, "norms": [1.0, 10**400]}  # past a float's range: forwarded, for the collector to judge
     first, usual = {"step": 409, "norms": [1.0, 2.0]}, {"step": 419, "norms": [1.0, 2.0]}
     assert sampler.sample(0, {**_beat(0, []), "fingerprints": [first, usual, odd]})["fingerprints"] == [first, odd]
+    # Nothing left out: the beat itself goes on, not a copy of it (the sampler said nothing changed).
+    whole = {**_beat(0, []), "fingerprints": [{"step": 509, "norms": [1.0]}], "marks": [{"step": 500, "seqs": {}}]}
+    sampler.stride = 1
+    assert sampler.sample(0, whole) is whole
 
 
 def test_a_left_out_fingerprints_names_ride_on_the_next_print_of_the_same_model():

@@ -91,13 +91,14 @@ class StepSampler:
         for key in ("marks", "fingerprints"):
             items = beat.get(key)
             if items and isinstance(items, list):
-                kept = self._periodic(key, rank, items)
-                if len(kept) != len(items) or any(a is not b for a, b in zip(kept, items)):
+                kept, changed = self._periodic(key, rank, items)
+                if changed:
                     beat = {**beat, key: kept}
         return beat
 
-    def _periodic(self, kind: str, rank: int, items: list) -> list:
-        """Every `stride`-th: the item of step S is kept when (S // gap) %
+    def _periodic(self, kind: str, rank: int, items: list) -> tuple[list, bool]:
+        """(the items kept, whether any was left out or changed) Every
+        `stride`-th: the item of step S is kept when (S // gap) %
         stride == 0, gap being the steps since the rank's previous one (each
         model's own, for fingerprints). Every rank has them at the same
         steps, so every relay keeps the same ones. A rank's first, one out of
@@ -106,6 +107,7 @@ class StepSampler:
         kept. The previous steps are counted at every stride (1 included), so
         a new stride applies alike on every relay."""
         kept = []
+        changed = False
         prints = kind == "fingerprints"
         for item in items:
             step = item.get("step") if isinstance(item, dict) else None
@@ -123,8 +125,11 @@ class StepSampler:
             if not prints:
                 if wanted:
                     kept.append(item)
+                else:
+                    changed = True
                 continue
             if not wanted and _finite_norms(item):
+                changed = True
                 if isinstance(item.get("names"), list):
                     if len(self._names) >= MAX_PERIODIC_KEYS and (rank, model) not in self._names:
                         self._names.clear()  # as _last_step: bounded whatever a sender invents
@@ -133,8 +138,9 @@ class StepSampler:
             names = self._names.pop((rank, model), None)
             if names is not None and "names" not in item:
                 item = {**item, "names": names}
+                changed = True
             kept.append(item)
-        return kept
+        return kept, changed
 
     def _sample_rows(self, rank: int, beat: dict[str, Any]) -> dict[str, Any]:
         rows, columns = beat.get("step_rows"), beat.get("step_columns")
