@@ -225,8 +225,6 @@ def until_next_slot(interval: float, since_sent: float) -> float:
     missed are skipped). Counted from the answer instead, relays that a
     stalled collector answered together would leave together from then on,
     every cadence; this way each keeps the phase it started with."""
-    if since_sent < interval:
-        return interval - since_sent
     return interval - since_sent % interval
 
 
